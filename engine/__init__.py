@@ -1,0 +1,57 @@
+"""slabpool's engine: model inference on every core, one session per worker process.
+
+    |============== caller process ===============|====== worker process, slot k ======|
+     Engine.submit()       supervisor thread          pipe k        workers.main
+     1 validate inputs =>  3 choose a READY slot  =>  RunBatch  =>  5 view input lease
+     2 lease input arena,  4 mark task RUNNING                      6 preprocess, check,
+       copy inputs in  <=  8 copy outputs out     <=  BatchDone <=    session.run
+       Future <==========  9 release leases,                        7 write outputs into
+                             complete Future once                     the output region
+
+     crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
+       a  slot k -> DEAD; the process is reaped before any lease it held is reused
+       b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready
+       c  its tasks replay in acceptance order, attempt + 1 (the same batch composition)
+       d  a task in hand when max_attempts workers died ends as PoisonTask; nothing else fails
+
+Actors:
+- `Engine` (engine.api): the caller's API. Steps 1-2 run in the caller's thread; the
+  admission queue (engine.admission) bounds what is accepted and not yet running.
+- `Supervisor` (engine.supervisor): one thread; the only one that touches slots and running
+  tasks. It waits on every pipe and process sentinel in one `connection.wait()`.
+- `Slot` (engine.slot): one worker process and its private pipe (one per incarnation).
+- `workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
+- `shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
+
+Lifecycles (engine.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
+READY <-> BUSY -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
+Importing `engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.api import Engine
+    from engine.stats import EngineStats, ModelDescription, SlotStats
+    from engine.task import Result, Timings
+
+__all__ = ["Engine", "EngineStats", "ModelDescription", "Result", "SlotStats", "Timings"]
+
+_LAZY = {
+    "Engine": "engine.api",
+    "EngineStats": "engine.stats",
+    "ModelDescription": "engine.stats",
+    "SlotStats": "engine.stats",
+    "Result": "engine.task",
+    "Timings": "engine.task",
+}
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import engine.errors` in a worker stays light
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,179 @@
+"""The admission queue: accepted-but-not-running tasks, bounded, with a declared policy.
+
+Callers put tasks in (blocking, rejecting or superseding the oldest when it is full); the
+supervisor takes batches out. Replays of a dead slot's tasks wait here too, ahead of new
+work, in acceptance order. One lock guards it; whoever removes a task from it under the lock
+owns that task's ending.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.errors import EngineClosed, QueueFull, TaskCancelled
+from engine.task import Batch, Task
+
+
+@dataclass
+class Counters:
+    """The engine's own accounting. accepted == completed + failed + cancelled + in flight."""
+
+    accepted: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    replayed: int = 0
+    quarantined: int = 0
+    timeouts: int = 0
+
+
+class TaskQueue:
+    def __init__(self, capacity: int, policy: str, wake: Callable[[], None]) -> None:
+        self.capacity = capacity
+        self.policy = policy
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._pending: dict[int, Task] = {}  # insertion (= acceptance) ordered
+        self._replays: list[Batch] = []  # sorted by their first task id
+        self._reserved = 0
+        self._next_id = 0
+        self._closed: BaseException | None = None
+        self.counters = Counters()
+        self.lock = self._cond  # the counters' lock too
+
+    # -- the caller's side --------------------------------------------------------------------
+
+    def reserve(self, timeout: float | None) -> list[Task]:
+        """Wait for a place; return the tasks it superseded (drop_oldest), to be cancelled."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        superseded: list[Task] = []
+        with self._cond:
+            while True:
+                self._raise_if_closed()
+                if self._size() < self.capacity:
+                    break
+                if self.policy == "reject":
+                    raise QueueFull(f"queue full ({self.capacity} tasks waiting); nothing accepted")
+                if self.policy == "drop_oldest" and self._pending:
+                    superseded.append(self._pending.pop(next(iter(self._pending))))
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise QueueFull(f"queue still full ({self.capacity} tasks) after {timeout} s")
+                self._cond.wait(left)
+            self._reserved += 1
+        return superseded
+
+    def unreserve(self) -> None:
+        with self._cond:
+            self._reserved -= 1
+            self._cond.notify_all()
+
+    def accept(self, make: Callable[[int], Task]) -> Task:
+        """Turn a reservation into an accepted task; its id is the acceptance sequence number."""
+        with self._cond:
+            self._reserved -= 1
+            self._raise_if_closed()
+            task = make(self._next_id)
+            self._next_id += 1
+            self._pending[task.id] = task
+            self.counters.accepted += 1
+        self._wake()
+        return task
+
+    def discard(self, task: Task) -> bool:
+        """Remove a still-queued task (its Future was cancelled); True if it was here."""
+        with self._cond:
+            found = self._pending.pop(task.id, None) is not None
+            if found:
+                self._cond.notify_all()
+            return found
+
+    def close(self, error: BaseException) -> None:
+        with self._cond:
+            if self._closed is None:
+                self._closed = error
+            self._cond.notify_all()
+
+    def _raise_if_closed(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+
+    def _size(self) -> int:
+        return len(self._pending) + sum(len(b.tasks) for b in self._replays) + self._reserved
+
+    # -- the supervisor's side ----------------------------------------------------------------
+
+    def take(self, max_items: int, wait_s: float, now: float) -> Batch | float | None:
+        """The next batch to dispatch; or the time to look again (a batch still filling); or
+        None when nothing waits. Pure policy over the queue, under its lock."""
+        with self._cond:
+            if self._replays:
+                return self._replays.pop(0)
+            if not self._pending:
+                return None
+            first = next(iter(self._pending.values()))
+            if max_items <= 1 or first.items == 0:
+                return self._pop_batch([first], stack=False)
+            mates, count = [], 0
+            for task in self._pending.values():
+                if task.shape_key != first.shape_key or count + task.items > max_items:
+                    continue
+                mates.append(task)
+                count += task.items
+                if count >= max_items:
+                    break
+            if count < max_items and now < first.accepted_at + wait_s:
+                return first.accepted_at + wait_s  # wait a little for more batch mates
+            return self._pop_batch(mates, stack=len(mates) > 1)
+
+    def _pop_batch(self, tasks: list[Task], stack: bool) -> Batch:
+        for t in tasks:
+            del self._pending[t.id]
+        self._cond.notify_all()
+        return Batch(tasks, stack)
+
+    def push_replays(self, batches: list[Batch]) -> None:
+        with self._cond:
+            self._replays.extend(batches)
+            self._replays.sort(key=lambda b: b.tasks[0].id)
+            self.counters.replayed += sum(len(b.tasks) for b in batches)
+        self._wake()
+
+    def expire(self, now: float) -> list[Task]:
+        """Queued tasks past their deadline, removed: they end with TaskTimeout, never start."""
+        with self._cond:
+            gone = [t for t in self._pending.values() if t.deadline is not None and t.deadline <= now]
+            for t in gone:
+                del self._pending[t.id]
+            if gone:
+                self._cond.notify_all()
+            return gone
+
+    def next_deadline(self) -> float | None:
+        with self._cond:
+            return min((t.deadline for t in self._pending.values() if t.deadline is not None), default=None)
+
+    def drain_all(self) -> list[Task]:
+        """Everything still waiting, removed (close with cancel_pending, or engine failure)."""
+        with self._cond:
+            tasks = list(self._pending.values()) + [t for b in self._replays for t in b.tasks]
+            self._pending.clear()
+            self._replays.clear()
+            self._cond.notify_all()
+            return tasks
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._pending) + sum(len(b.tasks) for b in self._replays)
+
+
+def superseded_error(task: Task) -> TaskCancelled:
+    return TaskCancelled(
+        f"task {task.id} was superseded by newer work (admission='drop_oldest')",
+        task_id=task.id,
+        reason="superseded",
+    )

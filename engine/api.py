@@ -1,0 +1,334 @@
+"""The public `Engine`: steps 1-2 of the task flow happen here, in the caller's thread."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import psutil
+
+from engine import errors as E
+from engine.admission import TaskQueue, superseded_error
+from engine.config import EngineConfig, resolve
+from engine.metrics import Metrics, render
+from engine.states import EngineState, TaskState
+from engine.stats import EngineStats, ModelDescription, SlotStats
+from engine.supervisor import Supervisor
+from engine.task import Result, Task
+from shm import Arena, CapacityError, InstanceLock, check_capacity, new_instance_id, sweep_dead_instances
+from workers import contract, packing
+from workers.main import WorkerBoot
+from workers.protocol import FaultSpec, TensorSpec
+
+
+class Engine:
+    """A pool of worker processes, one model session each, fed through shared memory.
+
+        with Engine("model.onnx", workers=4) as eng:
+            y = eng.infer({"x": batch})            # dict name -> array
+            fut = eng.submit({"x": batch})         # Future[Result]
+            for res in eng.map(items): ...         # ordered, bounded in flight
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **settings: Any) -> None:
+        fault_injection = settings.pop("_fault_injection", False)
+        self.config: EngineConfig = resolve(model, fault_injection=fault_injection, **settings)
+        cfg = self.config
+        self._state = EngineState.ACCEPTING
+        self._close_lock = threading.Lock()
+        self._metrics = Metrics()
+        self._instance = new_instance_id()
+        self._lock: InstanceLock | None = None
+        try:
+            check_capacity(2 * cfg.shm_capacity, cfg.shm_backend)
+            if cfg.shm_backend == "posix":
+                sweep_dead_instances()
+                self._lock = InstanceLock(self._instance)
+            self._inputs = Arena("in", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
+            self._outputs = Arena("out", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
+        except CapacityError as exc:
+            self._release_shm()
+            raise E.ShmCapacityError(str(exc), needed=exc.needed, available=exc.available) from None
+        self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, self._wake)
+        self._sup = Supervisor(
+            cfg, self._queue, self._inputs, self._outputs,
+            multiprocessing.get_context(cfg.start_method), self._boot, self._metrics,
+        )
+        try:
+            self._sup.start()
+        except BaseException:
+            self._release_shm()
+            raise
+        self._sup.on_stopped = self._on_stopped
+        info = self._sup.info
+        self._specs: tuple[TensorSpec, ...] = info.inputs if info else ()
+        self.model_version = info.model_digest if info else ""
+        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
+        self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
+
+    def _boot(self, slot: int, incarnation: int) -> WorkerBoot:
+        cfg = self.config
+        import logging
+
+        return WorkerBoot(
+            slot=slot,
+            incarnation=incarnation,
+            session=cfg.session_spec(),
+            preprocess=cfg.preprocess,
+            postprocess=cfg.postprocess,
+            initializer=cfg.initializer,
+            initargs=cfg.initargs,
+            in_capacity=self._inputs.capacity,
+            out_capacity=self._outputs.capacity,
+            task_timeout=cfg.task_timeout,
+            report_rss=cfg.worker_memory_limit is not None,
+            log_level=logging.getLogger().getEffectiveLevel(),
+            init_fault=self._init_fault,
+        )
+
+    _init_fault: FaultSpec | None = None
+
+    def _wake(self) -> None:
+        self._sup.wake()
+
+    # -- steps 1-2: validate, lease, copy in -----------------------------------------------------
+
+    def submit(
+        self,
+        inputs: Any,
+        *,
+        context: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        block_timeout: float | None = None,
+        _fault: FaultSpec | None = None,
+    ) -> Future[Result]:
+        """Accept one task; its inputs are copied into shared memory before this returns."""
+        if self._state is not EngineState.ACCEPTING:
+            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
+        item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
+        skeleton, arrays = packing.split(item)
+        _, nbytes = packing.layout(arrays)
+        if nbytes > self._inputs.capacity:
+            raise E.ShmCapacityError(
+                f"the inputs take {nbytes} bytes but the input arena holds {self._inputs.capacity} "
+                "bytes; raise shm_capacity", needed=nbytes, available=self._inputs.capacity)
+        t_start = time.monotonic()
+        for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
+            self._end_queued(old, superseded_error(old))
+        try:
+            lease = None
+            if nbytes:  # step 2: lease and copy; the caller may reuse its arrays on return
+                left = None if block_timeout is None else max(block_timeout - (time.monotonic() - t_start), 0)
+                try:
+                    lease = self._inputs.lease(nbytes, timeout=left)
+                except TimeoutError:
+                    raise E.QueueFull(f"no {nbytes} bytes of shared memory free after {block_timeout} s") from None
+            t0 = time.perf_counter()
+            packed = packing.write(skeleton, arrays, lease.offset if lease else 0, self._inputs.array)
+            copy_s = time.perf_counter() - t0
+        except BaseException:
+            if lease is not None:
+                self._inputs.release(lease)
+            self._queue.unreserve()
+            raise
+        fut: Future[Result] = Future()
+        abs_deadline = None if deadline is None else time.monotonic() + deadline
+
+        def make(task_id: int) -> Task:
+            return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
+                        abs_deadline, _fault, copy_in_s=copy_s)
+
+        try:
+            task = self._queue.accept(make)
+        except BaseException:
+            if lease is not None:
+                self._inputs.release(lease)
+            raise
+        fut.slabpool_task = task  # type: ignore[attr-defined]
+        fut.add_done_callback(self._on_future_done)
+        return fut
+
+    def _admit(self, inputs: Any) -> tuple[Any, tuple[Any, ...], int]:
+        """Check the input contract at the door (no preprocess); return item, batch key, items."""
+        if self.config.preprocess is not None or not self._specs:
+            return inputs, ("item",), 1
+        feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
+        key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
+        items = next(iter(feeds.values())).shape[0] if self._batchable else 1
+        return feeds, key, items
+
+    def _seed(self, task_id: int) -> int:
+        digest = hashlib.blake2b(f"{self.config.seed}:{task_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def _on_future_done(self, fut: Future[Result]) -> None:
+        """Future.cancel() on a queued task: take it out of the queue, free its lease now."""
+        if fut.cancelled():
+            task: Task = fut.slabpool_task  # type: ignore[attr-defined]
+            if self._queue.discard(task):
+                self._end_queued(task, None)
+
+    def _end_queued(self, task: Task, error: BaseException | None) -> None:
+        """End a task that a caller thread took out of the queue (it never reached a slot)."""
+        task.move(TaskState.CANCELLED)
+        with self._queue.lock:
+            self._queue.counters.cancelled += 1
+        if task.lease is not None:
+            self._inputs.release(task.lease)
+            task.lease = None
+        if error is not None:
+            task.future.set_exception(error)
+
+    # -- the rest of the caller's API -----------------------------------------------------------
+
+    def infer(self, inputs: Any, **kw: Any) -> Any:
+        """Submit and wait: the outputs (dict name -> array, or what postprocess returned)."""
+        return self.submit(inputs, **kw).result().outputs
+
+    def map(
+        self,
+        items: Iterable[Any],
+        *,
+        window: int | None = None,
+        return_exceptions: bool = False,
+        context: dict[str, Any] | None = None,
+    ) -> Iterator[Any]:
+        """Results in submission order, at most `window` tasks in flight (memory stays bounded).
+
+        A failed task raises at its position, unless `return_exceptions` yields the error instead.
+        """
+        window = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
+        futs: deque[Future[Result]] = deque()
+        try:
+            for item in items:
+                futs.append(self.submit(item, context=context))
+                if len(futs) >= window:
+                    yield self._outcome(futs.popleft(), return_exceptions)
+            while futs:
+                yield self._outcome(futs.popleft(), return_exceptions)
+        finally:
+            for f in futs:
+                f.cancel()
+
+    @staticmethod
+    def _outcome(fut: Future[Result], return_exceptions: bool) -> Any:
+        if not return_exceptions:
+            return fut.result()
+        try:
+            return fut.result()
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+
+    def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
+        """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
+        with TaskCancelled now; its buffers are freed once the run really ends); with
+        `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay."""
+        if future.cancel():
+            return True
+        task: Task | None = getattr(future, "slabpool_task", None)
+        if task is None or future.done():
+            return False
+        return bool(self._sup.command("cancel", (task, kill)))
+
+    def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting; drain (or cancel what is queued); stop every worker; free shared memory.
+        Idempotent, callable from any thread and from a Future's done-callback."""
+        with self._close_lock:
+            if self._state is EngineState.ACCEPTING:
+                self._state = EngineState.DRAINING
+                self._queue.close(E.EngineClosed("the engine is closed: submit() after close()"))
+        if self._sup.on_thread:  # from a done-callback: the loop finishes the job
+            self._sup.command("close", cancel_pending, wait_reply=False)
+            return
+        self._sup.command("close", cancel_pending)
+        if not self._sup.join(timeout):
+            self._sup.command("abort", f"close(timeout={timeout}) expired before the task ended", wait_reply=False)
+            self._sup.join(None)
+
+    def _on_stopped(self) -> None:
+        """Called by the supervisor thread after every worker is reaped: free the memory."""
+        self._release_shm()
+        self._sup.close_resources()
+        with self._close_lock:
+            if self._state is EngineState.ACCEPTING:
+                self._state = EngineState.DRAINING
+            self._state = EngineState.CLOSED
+
+    def _release_shm(self) -> None:
+        for arena in (getattr(self, "_inputs", None), getattr(self, "_outputs", None)):
+            if arena is not None:
+                arena.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(cancel_pending=exc_type is not None)
+
+    # -- looking inside -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def describe(self) -> ModelDescription:
+        info = self._sup.info
+        if info is None:
+            return ModelDescription((), (), "", "", "", False)
+        return ModelDescription(info.inputs, info.outputs, info.runtime, info.runtime_version,
+                                info.model_digest, self._batchable)
+
+    def stats(self) -> EngineStats:
+        slots = tuple(_slot_stats(s) for s in self._sup.slots)
+        c = self._queue.counters
+        with self._queue.lock:
+            counts = (c.accepted, c.completed, c.failed, c.cancelled, c.replayed, c.quarantined, c.timeouts)
+        return EngineStats(
+            self._state.name, slots, len(self._queue), *counts,
+            restarts=sum(s.restarts for s in slots),
+            shm_inputs_used=self._inputs.used, shm_outputs_used=self._outputs.used,
+            shm_capacity=self._inputs.capacity,
+        )
+
+    def metrics_text(self) -> str:
+        return render(self)
+
+    def __repr__(self) -> str:
+        slots = self._sup.slots
+        ready = sum(s.state.name == "READY" for s in slots)
+        busy = sum(s.state.name == "BUSY" for s in slots)
+        return f"<Engine {self._state.name} slots={len(slots)} ready={ready} busy={busy} queued={len(self._queue)}>"
+
+
+def _slot_stats(slot: Any) -> SlotStats:
+    info = slot.info
+    rss = 0
+    if slot.pid and slot.process is not None:
+        try:
+            rss = psutil.Process(slot.pid).memory_info().rss
+        except psutil.Error:
+            rss = 0
+    return SlotStats(
+        slot.index, slot.pid, slot.state.name, slot.tasks_done, slot.restarts,
+        info.runtime if info else "", info.runtime_version if info else "",
+        info.requested if info else (), info.applied if info else (),
+        info.degraded if info else False, slot.model_version, rss,
+    )
+
+
+def _emergency_stop(sup: Supervisor) -> None:
+    """The engine was dropped without close(): stop the workers rather than leak them."""
+    if not sup.join(0):
+        sup.command("abort", "the engine was garbage-collected without close()", wait_reply=False)
+        sup.join(10)
+

@@ -1,0 +1,135 @@
+"""Engine settings: one frozen, validated record. A bad setting fails here, by name."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from workers.session import Backend, SessionSpec, detect_backend
+
+MiB = 1 << 20
+Admission = Literal["block", "reject", "drop_oldest"]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: affinity, then the cgroup v2 quota."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None
+    workers: int
+    start_method: str = "forkserver"
+    backend: Backend | None = None
+    providers: tuple[Any, ...] | None = None
+    delegate: str | None = None
+    delegate_options: dict[str, str] = field(default_factory=dict)
+    allow_fallback: bool = False
+    threads_per_worker: int = 1
+    preprocess: Callable[..., Any] | None = None
+    postprocess: Callable[..., Any] | None = None
+    initializer: Callable[..., Any] | None = None
+    initargs: tuple[Any, ...] = ()
+    queue_capacity: int = 0
+    admission: Admission = "block"
+    max_attempts: int = 3
+    task_timeout: float | None = None
+    max_tasks_per_worker: int | None = None
+    worker_memory_limit: int | None = None
+    seed: int = 0
+    max_batch_size: int = 1
+    max_batch_wait_ms: float = 2.0
+    inflight_per_slot: int = 2
+    shm_capacity: int = 0  # bytes per arena (inputs, outputs); 0: the default
+    shm_backend: Literal["memfd", "posix"] = "memfd"
+    startup_timeout: float = 120.0
+    fault_injection: bool = False
+
+    def session_spec(self) -> SessionSpec | None:
+        if self.model is None:
+            return None
+        return SessionSpec(
+            path=self.model,
+            backend=self.backend or detect_backend(self.model),
+            providers=self.providers,
+            delegate=self.delegate,
+            delegate_options=dict(self.delegate_options),
+            allow_fallback=self.allow_fallback,
+            threads=self.threads_per_worker,
+        )
+
+
+def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
+    """Validate and fill defaults; raise ValueError/TypeError naming the setting."""
+    path = os.fspath(model) if model is not None else None
+    if path is not None and not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    if path is None and kw.get("preprocess") is None:
+        raise ValueError("model=None needs a preprocess function: it is then the whole task")
+    workers = kw.pop("workers", None) or usable_cpus()
+    _positive("workers", workers)
+    sm = kw.get("start_method", "forkserver")
+    if sm == "fork":
+        raise ValueError(
+            "start_method='fork' is refused: forking a process that has threads (the supervisor, "
+            "onnxruntime's pools) can deadlock or crash the child; use 'forkserver' or 'spawn'"
+        )
+    if sm not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {sm!r}")
+    backend = kw.pop("backend", "auto")
+    if backend not in ("auto", "onnxruntime", "litert"):
+        raise ValueError(f"backend must be 'auto', 'onnxruntime' or 'litert', got {backend!r}")
+    kw["backend"] = None if backend == "auto" else backend
+    if kw.get("providers") is not None:
+        kw["providers"] = tuple(kw["providers"])
+    if kw.get("admission", "block") not in ("block", "reject", "drop_oldest"):
+        raise ValueError(f"admission must be 'block', 'reject' or 'drop_oldest', got {kw['admission']!r}")
+    for name in ("preprocess", "postprocess", "initializer"):
+        kw[name] = _importable(name, kw.get(name))
+    kw["queue_capacity"] = kw.get("queue_capacity") or 2 * workers
+    for name in ("queue_capacity", "max_attempts", "threads_per_worker", "max_batch_size", "inflight_per_slot"):
+        if name in kw:
+            _positive(name, kw[name])
+    cap = kw.get("shm_capacity") or max(256 * MiB, 32 * MiB * workers)
+    kw["shm_capacity"] = cap
+    kw["initargs"] = tuple(kw.get("initargs", ()))
+    return EngineConfig(model=path, workers=workers, **kw)
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _importable(name: str, fn: Any) -> Callable[..., Any] | None:
+    """Workers import hooks by reference: a module-level callable, or 'module:function'."""
+    if fn is None:
+        return None
+    if isinstance(fn, str):
+        import importlib
+
+        mod, _, attr = fn.partition(":")
+        if not attr:
+            raise ValueError(f"{name} must look like 'module:function', got {fn!r}")
+        fn = getattr(importlib.import_module(mod), attr)
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"{name} must be an importable module-level function (workers import it by name); "
+            f"{fn!r} cannot be pickled: {exc}"
+        ) from exc
+    return fn  # type: ignore[no-any-return]

@@ -1,0 +1,168 @@
+"""Every error slabpool raises, and whose fault it is.
+
+    EngineError
+    ├── EngineClosed           you closed it: submit() after close() began
+    ├── QueueFull              backpressure: the queue is full (admission="reject", or
+    │                          block_timeout expired); retry later
+    ├── ShmCapacityError       not enough shared memory for the request; says how much is free
+    ├── TaskError              one task failed; carries .task_id
+    │   ├── TaskCancelled      cancelled (also concurrent.futures.CancelledError); .reason
+    │   ├── TaskTimeout        queued past its deadline, or ran past task_timeout (also TimeoutError)
+    │   ├── InputContractError the input does not match the model (also ValueError); names the
+    │   │                      input, what was expected and what was got
+    │   ├── SessionRunError    the runtime or the user's pre/postprocess raised; the remote
+    │   │                      traceback is the __cause__
+    │   └── PoisonTask         killed max_attempts workers; .crashes lists each exit code/signal
+    ├── WorkerError            not the caller's fault
+    │   ├── WorkerCrashed      a worker died: .slot .pid .exitcode .signal
+    │   └── SessionInitError   the model or its provider/delegate failed to load; the pool
+    │                          fails fast, with the worker's traceback
+    └── EngineInternalError    a bug in slabpool (an illegal state transition, say)
+
+Errors cross the process boundary as `RemoteError` records (class name, message, formatted
+traceback), never as pickled runtime exceptions: unpickling onnxruntime's exception classes
+would need onnxruntime in the caller's process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+from dataclasses import dataclass
+
+
+class EngineError(Exception):
+    """Base of every slabpool error."""
+
+
+class EngineClosed(EngineError):
+    """The engine is closed, or closing: it accepts no new task."""
+
+
+class QueueFull(EngineError):
+    """The admission queue is full; nothing was accepted."""
+
+
+class ShmCapacityError(EngineError):
+    """Not enough shared memory; `needed` and `available` are in bytes."""
+
+    def __init__(self, message: str, *, needed: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class TaskError(EngineError):
+    """One task ended in failure."""
+
+    def __init__(self, message: str, *, task_id: int | None = None) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+class TaskCancelled(TaskError, concurrent.futures.CancelledError):
+    """Cancelled before it ran, or cancelled while running (its result was dropped)."""
+
+    def __init__(self, message: str, *, task_id: int | None = None, reason: str = "") -> None:
+        super().__init__(message, task_id=task_id)
+        self.reason = reason
+
+
+class TaskTimeout(TaskError, TimeoutError):
+    """Still queued at its deadline, or still running at task_timeout."""
+
+
+class InputContractError(TaskError, ValueError):
+    """The input does not match the model: names the input, what was expected and what was got."""
+
+
+class SessionRunError(TaskError):
+    """The runtime (or preprocess/postprocess) raised; the remote traceback is __cause__."""
+
+
+@dataclass(frozen=True)
+class Crash:
+    """One worker death: who, how, with which task in hand."""
+
+    slot: int
+    pid: int
+    exitcode: int | None
+
+    @property
+    def signal(self) -> str:
+        return describe_exit(self.exitcode)
+
+
+class PoisonTask(TaskError):
+    """The task was in hand when max_attempts workers died; it is not retried again."""
+
+    def __init__(self, message: str, *, task_id: int | None = None, crashes: tuple[Crash, ...] = ()):
+        super().__init__(message, task_id=task_id)
+        self.crashes = crashes
+
+
+class WorkerError(EngineError):
+    """A worker failed: not the caller's fault."""
+
+
+class WorkerCrashed(WorkerError):
+    """A worker process died."""
+
+    def __init__(self, message: str, *, slot: int, pid: int, exitcode: int | None) -> None:
+        super().__init__(message)
+        self.slot = slot
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal = describe_exit(exitcode)
+
+
+class SessionInitError(WorkerError):
+    """The session (model, provider or delegate) could not be built in a worker."""
+
+
+class EngineInternalError(EngineError):
+    """A bug in slabpool."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback as the __cause__ of the error raised here."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]) if self.args else ""
+
+
+def _rebuild(cls, args, state):  # type: ignore[no-untyped-def]
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, *args)
+    obj.__dict__.update(state)
+    return obj
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """`SIGKILL(-9)`, `SIGSEGV(-11)`, `exit(3)`; '' while still running."""
+    if exitcode is None:
+        return ""
+    if exitcode < 0:
+        try:
+            return f"{signal.Signals(-exitcode).name}({exitcode})"
+        except ValueError:
+            return f"signal({exitcode})"
+    return f"exit({exitcode})"
+
+
+def crash_hint(exitcode: int | None, rss: int | None = None, limit: int | None = None) -> str:
+    """What a death most likely means, in words a user can act on."""
+    if exitcode == -signal.SIGBUS:
+        return (
+            " SIGBUS in a worker is a shared-memory fault: /dev/shm too small or a segment "
+            "truncated. Give the container more shared memory (Docker --shm-size) or lower "
+            "shm_capacity."
+        )
+    if exitcode in (-signal.SIGKILL, 137) and rss and limit and rss > 0.8 * limit:
+        return " Killed near the memory limit: likely the OOM killer."
+    if exitcode in (-signal.SIGKILL, 137):
+        return " SIGKILL: killed from outside (the OOM killer, a user, a timeout)."
+    return ""

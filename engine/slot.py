@@ -1,0 +1,120 @@
+"""One slot: a worker process, its private pipe, and the batches it holds, in order.
+
+The head of `batches` is the one running; the rest were sent ahead and wait in the pipe.
+A slot is rebuilt in place: same index, new process, new pipe, new incarnation number.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import DupFd  # type: ignore[attr-defined]
+from typing import Any
+
+from engine.states import SlotState
+from engine.task import Batch
+from workers.main import WorkerBoot, main
+from workers.protocol import SessionInfo
+
+
+class Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state = SlotState.NEW
+        self.incarnation = 0
+        self.process: BaseProcess | None = None
+        self.conn: Connection | None = None
+        self.pid = 0
+        self.info: SessionInfo | None = None
+        self.batches: deque[Batch] = deque()
+        self.tasks_done = 0
+        self.restarts = 0
+        self.startup_failures = 0
+        self.init_error: Any = None  # the InitFailed error of the current incarnation
+        self.respawn_at: float | None = None
+        self.kill_reason: str | None = None  # why we are killing it: "timeout", "cancel", ...
+        self.kill_escalate_at: float | None = None
+        self.retiring = False
+        self.rss = 0
+        self.model_version = ""
+        self.spawned_at = 0.0
+        self.last_done_at = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def move(self, new: SlotState) -> None:
+        self.state.check(new)
+        self.state = new
+
+    def spawn(self, ctx: BaseContext, boot: WorkerBoot, in_fd: int, out_fd: int) -> None:
+        parent, child = ctx.Pipe(duplex=True)
+        self.incarnation += 1
+        proc = ctx.Process(  # type: ignore[attr-defined]
+            target=main,
+            args=(boot, child, DupFd(in_fd), DupFd(out_fd)),
+            name=f"slabpool-worker-{self.index}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        self.process, self.conn, self.pid = proc, parent, proc.pid or 0
+        self.batches.clear()
+        self.init_error = None
+        self.kill_reason = self.kill_escalate_at = self.respawn_at = None
+        self.retiring = False
+        self.spawned_at = time.monotonic()
+        self.move(SlotState.STARTING)
+
+    def send(self, msg: Any) -> bool:
+        """Send a message; False if the pipe is broken (the worker is dying: its sentinel fires)."""
+        if self.conn is None:
+            return False
+        try:
+            self.conn.send(msg)
+            return True
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            return False
+
+    def kill(self, reason: str, grace: float = 0.5) -> None:
+        """SIGTERM now, SIGKILL after `grace`: the only way to stop code that will not return."""
+        if self.process is None or self.kill_reason is not None:
+            return
+        self.kill_reason = reason
+        self.kill_escalate_at = time.monotonic() + grace
+        self._signal(signal.SIGTERM)
+
+    def escalate(self) -> None:
+        self.kill_escalate_at = None
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            if self.pid:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> int | None:
+        """Join the dead process and close its pipe; return its exit code."""
+        assert self.process is not None
+        self.process.join()
+        code = self.process.exitcode
+        if self.conn is not None:
+            self.conn.close()
+        self.process.close()
+        self.process, self.conn = None, None
+        return code
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def can_take(self) -> bool:
+        return self.state in (SlotState.READY, SlotState.BUSY) and not self.retiring
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.index} {self.state.name} pid={self.pid} holds={len(self.batches)}>"

@@ -1,0 +1,51 @@
+"""Frozen snapshots for callers: `describe()` and `stats()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.protocol import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    inputs: tuple[TensorSpec, ...]  # name, dtype, shape (None = dynamic dim)
+    outputs: tuple[TensorSpec, ...]
+    runtime: str
+    runtime_version: str
+    model_version: str
+    batchable: bool  # every input has a dynamic axis 0
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    slot: int
+    pid: int
+    state: str
+    tasks_done: int
+    restarts: int
+    runtime: str
+    runtime_version: str
+    requested: tuple[str, ...]  # provider/delegate asked for
+    applied: tuple[str, ...]  # provider/delegate really in use
+    degraded: bool
+    model_version: str
+    rss_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: str
+    slots: tuple[SlotStats, ...]
+    queued: int
+    accepted: int
+    completed: int
+    failed: int
+    cancelled: int
+    replayed: int
+    quarantined: int
+    timeouts: int
+    restarts: int
+    shm_inputs_used: int
+    shm_outputs_used: int
+    shm_capacity: int  # per arena

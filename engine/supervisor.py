@@ -1,0 +1,688 @@
+"""The supervisor: one thread that owns every slot and every running task. Steps 3-4, 8-9
+of the task flow and the whole crash path (see the diagram in `engine/__init__.py`).
+
+It waits on every worker's pipe, every worker's process sentinel and one wake-up pipe in a
+single `multiprocessing.connection.wait()`; its timeout is the next timer (a task's
+time limit, a batch still filling, a backoff), never a polling interval. Callers never touch
+slots: they put tasks in the admission queue and commands in `_commands`, and wake it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from engine import errors as E
+from engine.admission import TaskQueue
+from engine.config import EngineConfig
+from engine.errors import Crash, crash_hint, describe_exit
+from engine.states import SlotState, TaskState
+from engine.slot import Slot
+from engine.task import Batch, Result, Task, Timings
+from shm import Arena
+from workers import packing
+from workers.main import WorkerBoot
+from workers.protocol import (
+    BatchDone,
+    InitFailed,
+    LogRecord,
+    NeedOutput,
+    OutputGrant,
+    Ready,
+    RemoteError,
+    RunBatch,
+    SessionInfo,
+    Shutdown,
+    TaskSpec,
+)
+
+log = logging.getLogger("engine")
+MAX_STARTUP_FAILURES = 5
+
+
+@dataclass(frozen=True)
+class Command:
+    """A caller's request, applied by the supervisor thread: cancel, close, reload, ..."""
+
+    kind: str
+    arg: Any = None
+    reply: list[Any] | None = None
+    done: threading.Event | None = None
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        queue: TaskQueue,
+        inputs: Arena,
+        outputs: Arena,
+        ctx: BaseContext,
+        boot: Callable[[int, int], WorkerBoot],
+        metrics: Any,
+    ) -> None:
+        self.cfg, self.queue, self.inputs, self.outputs = cfg, queue, inputs, outputs
+        self.ctx, self.boot, self.metrics = ctx, boot, metrics
+        self.slots = [Slot(i) for i in range(cfg.workers)]
+        self.info: SessionInfo | None = None
+        self.failure: BaseException | None = None
+        self.closing: str | None = None  # None, "drain", "cancel"
+        self._commands: deque[Command] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._completions: list[tuple[Future[Result], Any, BaseException | None]] = []
+        self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
+        self._thread = threading.Thread(target=self._run, name="slabpool-supervisor", daemon=True)
+        self._stopped = threading.Event()
+        self.on_stopped: Callable[[], None] = self.close_resources
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn every slot, wait until all are READY; SessionInitError if one cannot start."""
+        for slot in self.slots:
+            self._spawn(slot)
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        while any(s.state is SlotState.STARTING for s in self.slots):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._abort_startup(E.SessionInitError(f"workers not ready after {self.cfg.startup_timeout} s"))
+            waitables = [s.conn for s in self.slots if s.state is SlotState.STARTING and s.conn]
+            waitables += [s.process.sentinel for s in self.slots if s.process]
+            ready = wait(waitables, timeout=left)
+            for slot in self.slots:
+                if slot.conn is not None and slot.conn in ready:
+                    self._drain(slot)
+                if slot.process is not None and slot.process.sentinel in ready:
+                    if slot.conn is not None:
+                        self._drain(slot)
+                    self._abort_startup(self._init_error(slot, slot.reap()))
+        self._thread.start()
+
+    def _abort_startup(self, error: BaseException) -> None:
+        for slot in self.slots:
+            if slot.process is not None:
+                slot.kill("startup failed", grace=0.0)
+                slot.escalate()
+                slot.reap()
+        self._close_wakeup()
+        raise error
+
+    def _init_error(self, slot: Slot, code: int | None) -> E.SessionInitError:
+        if slot.init_error is not None:
+            err: RemoteError = slot.init_error
+            exc = E.SessionInitError(f"slot {slot.index} could not build its session: {err.type_name}: {err.message}")
+            exc.__cause__ = E.RemoteTraceback(err.traceback)
+            return exc
+        return E.SessionInitError(
+            f"slot {slot.index} (pid {slot.pid}) died during start-up with {describe_exit(code)}."
+            + crash_hint(code)
+        )
+
+    def _spawn(self, slot: Slot) -> None:
+        slot.spawn(self.ctx, self.boot(slot.index, slot.incarnation + 1), self.inputs.fd, self.outputs.fd)
+
+    # -- the caller's side ---------------------------------------------------------------------
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake, or shutting down
+
+    def command(self, kind: str, arg: Any = None, *, wait_reply: bool = True) -> Any:
+        """Hand a command to the supervisor thread; wait for its reply unless called from it."""
+        on_thread = threading.current_thread() is self._thread
+        done = threading.Event() if wait_reply and not on_thread else None
+        reply: list[Any] = []
+        if on_thread:
+            self._apply(Command(kind, arg, reply))
+            return reply[0] if reply else None
+        self._commands.append(Command(kind, arg, reply, done))
+        self.wake()
+        if done is not None:
+            while not done.wait(0.5):
+                if self._stopped.is_set():
+                    break
+        return reply[0] if reply else None
+
+    def join(self, timeout: float | None) -> bool:
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._finished():
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - a bug: fail everything, leave nothing behind
+            log.exception("supervisor failed")
+            self._fail(E.EngineInternalError(f"supervisor thread failed: {exc!r}"))
+        finally:
+            self._shutdown_slots()
+            self._flush()
+            self.on_stopped()
+            self._stopped.set()
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        waitables: list[Any] = [self._wake_r]
+        for s in self.slots:
+            if s.conn is not None:
+                waitables.append(s.conn)
+            if s.process is not None:
+                waitables.append(s.process.sentinel)
+        ready = set(wait(waitables, timeout=self._next_timer(now)))
+        if self._wake_r in ready:
+            os.read(self._wake_r, 4096)
+        while self._commands:
+            self._apply(self._commands.popleft())
+        for slot in self.slots:
+            if slot.conn is not None and slot.conn in ready:
+                self._drain(slot)
+            if slot.process is not None and slot.process.sentinel in ready:
+                self._on_death(slot)
+        now = time.monotonic()
+        self._timers(now)
+        self._dispatch(now)
+        self._flush()
+
+    def _finished(self) -> bool:
+        if self.failure is not None:
+            return True
+        if self.closing is None:
+            return False
+        return len(self.queue) == 0 and all(not s.batches for s in self.slots)
+
+    # -- messages from workers (steps 8-9) ------------------------------------------------------
+
+    def _drain(self, slot: Slot) -> None:
+        conn = slot.conn
+        assert conn is not None
+        try:
+            while conn.poll():
+                self._on_message(slot, conn.recv())
+        except (EOFError, OSError):
+            slot.conn = None  # the worker is gone; its sentinel will fire
+            conn.close()
+
+    def _on_message(self, slot: Slot, msg: Any) -> None:
+        if isinstance(msg, BatchDone):
+            self._on_batch_done(slot, msg)
+        elif isinstance(msg, NeedOutput):
+            self._on_need_output(slot, msg)
+        elif isinstance(msg, LogRecord):  # worker logs join the caller's logging
+            logging.getLogger(None if msg.name == "root" else msg.name).log(
+                msg.level, msg.message, extra=msg.fields
+            )
+        elif isinstance(msg, Ready):
+            slot.move(SlotState.READY)
+            slot.pid = msg.pid
+            slot.startup_failures = 0
+            if msg.info is not None:
+                self.info = self.info or msg.info
+                slot.info = msg.info
+                slot.model_version = msg.info.model_digest
+        elif isinstance(msg, InitFailed):
+            slot.init_error = msg.error
+
+    def _on_batch_done(self, slot: Slot, msg: BatchDone) -> None:
+        if not slot.batches or slot.batches[0].id != msg.batch_id:
+            log.warning("dropped a stale completion of batch %d from slot %d", msg.batch_id, slot.index)
+            return
+        batch = slot.batches.popleft()
+        now = time.monotonic()
+        slot.last_done_at = now
+        slot.tasks_done += len(batch.tasks)
+        slot.rss = msg.rss or slot.rss
+        used = 0
+        for outcome in msg.outcomes:
+            task = next(t for t in batch.tasks if t.id == outcome.task_id)
+            if outcome.error is not None:
+                self._finish(task, error=_task_error(task, outcome.error))
+                continue
+            assert outcome.outputs is not None
+            t0 = time.perf_counter()
+            outputs = packing.unpack(outcome.outputs, self.outputs.array, copy=True)  # step 8
+            copy_s = time.perf_counter() - t0
+            used += packing.region_size(outcome.outputs)
+            self._finish(task, result=self._result(task, slot, outputs, msg.run_s / len(batch.tasks), copy_s, now))
+        self._predicted[_batch_key(batch)] = used
+        self._end_batch(batch)  # step 9: leases go back now that the run has really ended
+        if slot.batches:
+            self._promote(slot, now)
+        elif slot.state is SlotState.BUSY:
+            slot.move(SlotState.READY)
+        self._maybe_retire(slot)
+
+    def _result(self, task: Task, slot: Slot, outputs: Any, run_s: float, copy_s: float, now: float) -> Result:
+        timings = Timings(
+            queued=max(task.dispatched_at - task.accepted_at, 0.0),
+            transfer=task.copy_in_s + copy_s,
+            run=run_s,
+            total=now - task.accepted_at,
+        )
+        self.metrics.observe(timings)
+        return Result(task.id, outputs, slot.model_version, slot.index, slot.pid, task.attempts, timings, task.context)
+
+    def _on_need_output(self, slot: Slot, msg: NeedOutput) -> None:
+        batch = next((b for b in slot.batches if b.id == msg.batch_id), None)
+        if batch is None:
+            return
+        if batch.out_lease is not None and batch.out_lease.nbytes >= msg.nbytes:
+            slot.send(OutputGrant(batch.id, batch.out_lease.offset, batch.out_lease.nbytes))
+            return
+        if batch.out_lease is not None:
+            self.outputs.release(batch.out_lease)
+            batch.out_lease = None
+        if msg.nbytes > self.outputs.capacity:
+            slot.send(OutputGrant(batch.id, -1, 0, (
+                f"outputs of {msg.nbytes} bytes exceed the output arena ({self.outputs.capacity} bytes); "
+                "raise shm_capacity")))
+            return
+        lease = self.outputs.try_lease(msg.nbytes)
+        if lease is None:  # full: the grant waits for the next release (no lease is held here)
+            batch.out_wanted = msg.nbytes
+            return
+        batch.out_lease = lease
+        slot.send(OutputGrant(batch.id, lease.offset, lease.nbytes))
+
+    # -- deaths (the crash path: a-d) ----------------------------------------------------------
+
+    def _on_death(self, slot: Slot) -> None:
+        if slot.conn is not None:
+            self._drain(slot)  # what it sent before dying still counts
+        expected = slot.kill_reason
+        was_starting = slot.state is SlotState.STARTING
+        pid = slot.pid
+        code = slot.reap()
+        for b in slot.batches:  # a: the process is reaped: no stale writer can exist
+            if b.out_lease is not None:
+                self.outputs.release(b.out_lease)
+                b.out_lease = None
+        held = list(slot.batches)
+        slot.batches.clear()
+        if slot.state is not SlotState.DEAD:
+            slot.move(SlotState.DEAD)
+        if was_starting and expected is None:
+            self._on_startup_death(slot, code)
+            return
+        if expected in ("retire", "shutdown"):
+            log.info("slot %d retired (pid %d)", slot.index, pid)
+        else:
+            slot.restarts += 1
+            self.metrics.restart(slot.index)
+            log.warning(
+                "worker of slot %d (pid %d) died with %s holding %d batch(es)%s",
+                slot.index, pid, describe_exit(code), len(held), f" ({expected})" if expected else "",
+            )
+        replays = self._settle_held(slot, held, expected, Crash(slot.index, pid, code))
+        if replays:
+            self.queue.push_replays(replays)  # c: in acceptance order, ahead of new work
+        if self.failure is None and (self.closing is None or len(self.queue) > 0 or replays):
+            self._spawn(slot)  # b: rebuild this slot alone
+        elif self.closing is not None:
+            slot.move(SlotState.STOPPED)
+
+    def _settle_held(self, slot: Slot, held: list[Batch], expected: str | None, crash: Crash) -> list[Batch]:
+        """Decide each held batch's fate: replay (same composition), split, poison, timeout."""
+        replays: list[Batch] = []
+        for i, batch in enumerate(held):
+            running = i == 0 and batch.started_at is not None
+            live = [t for t in batch.tasks if t.state is TaskState.RUNNING]
+            for t in batch.tasks:
+                t.in_batch = None
+            if running and expected == "timeout":
+                for t in live:
+                    self._finish(t, error=E.TaskTimeout(
+                        f"task {t.id} ran past task_timeout={self.cfg.task_timeout} s; its slot was "
+                        "rebuilt", task_id=t.id))
+                live = []
+            elif running and expected is None:  # d: a crash counts against what was running
+                batch.crashes += 1
+                for t in live:
+                    t.crashes.append(crash)
+                if len(live) == 1 and len(live[0].crashes) >= self.cfg.max_attempts:
+                    self._quarantine(live[0])
+                    live = []
+                elif len(live) > 1 and batch.crashes >= 2:
+                    half = len(live) // 2  # the same batch killed twice: bisect to find the poison
+                    replays += [Batch(live[:half], stack=half > 1), Batch(live[half:], stack=len(live) - half > 1)]
+                    live = []
+            for t in batch.tasks:
+                if t.state.is_terminal and t.lease is not None:
+                    self._release_input(t)
+            if live:
+                replays.append(Batch(live, batch.stack and len(live) > 1, crashes=batch.crashes if len(live) == len(batch.tasks) else 0))
+        for b in replays:
+            for t in b.tasks:
+                t.move(TaskState.QUEUED)
+        return replays
+
+    def _quarantine(self, task: Task) -> None:
+        crashes = ", ".join(f"slot {c.slot} pid {c.pid} {c.signal}" for c in task.crashes)
+        with self.queue.lock:
+            self.queue.counters.quarantined += 1
+        self._finish(task, error=E.PoisonTask(
+            f"task {task.id} was in hand when {len(task.crashes)} workers died ({crashes}); "
+            "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes)))
+
+    def _on_startup_death(self, slot: Slot, code: int | None) -> None:
+        slot.startup_failures += 1
+        slot.restarts += 1
+        error = self._init_error(slot, code)
+        if slot.startup_failures >= MAX_STARTUP_FAILURES:
+            self._fail(E.SessionInitError(
+                f"slot {slot.index} failed to start {slot.startup_failures} times in a row; the engine "
+                f"stopped. Last: {error}"))
+            return
+        delay = min(0.1 * 2 ** (slot.startup_failures - 1), 5.0)
+        log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
+        slot.respawn_at = time.monotonic() + delay
+
+    # -- timers ---------------------------------------------------------------------------------
+
+    def _next_timer(self, now: float) -> float | None:
+        times = [self.queue.next_deadline(), self._batch_ready_at]
+        for s in self.slots:
+            times += [s.respawn_at, s.kill_escalate_at, self._time_limit(s)]
+        due = [t for t in times if t is not None]
+        return max(min(due) - now, 0.0) if due else None
+
+    def _time_limit(self, slot: Slot) -> float | None:
+        if self.cfg.task_timeout is None or not slot.batches or slot.kill_reason:
+            return None
+        head = slot.batches[0]
+        if head.started_at is None:
+            return None
+        grace = min(2.0, self.cfg.task_timeout) if slot.info and slot.info.runtime == "onnxruntime" else 0.0
+        return head.started_at + self.cfg.task_timeout + grace
+
+    def _timers(self, now: float) -> None:
+        for task in self.queue.expire(now):
+            self._finish(task, error=E.TaskTimeout(
+                f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id))
+        for slot in self.slots:
+            if slot.kill_escalate_at is not None and now >= slot.kill_escalate_at:
+                slot.escalate()
+            limit = self._time_limit(slot)
+            if limit is not None and now >= limit:
+                slot.kill("timeout")
+            if slot.respawn_at is not None and now >= slot.respawn_at and slot.state is SlotState.DEAD:
+                self._spawn(slot)
+
+    # -- dispatch (steps 3-4) -------------------------------------------------------------------
+
+    _batch_ready_at: float | None = None
+
+    def _dispatch(self, now: float) -> None:
+        self._batch_ready_at = None
+        depth = self.cfg.inflight_per_slot
+        wait_s = self.cfg.max_batch_wait_ms / 1000.0
+        while True:
+            open_slots = [s for s in self.slots if s.can_take and len(s.batches) < depth]
+            if not open_slots:
+                return
+            slot = min(open_slots, key=lambda s: len(s.batches))  # idle slots first
+            got = self.queue.take(self.cfg.max_batch_size, wait_s, now)
+            if got is None:
+                return
+            if isinstance(got, float):
+                self._batch_ready_at = got
+                return
+            self._send_batch(slot, got, now)
+
+    def _send_batch(self, slot: Slot, batch: Batch, now: float) -> None:
+        specs = []
+        for task in batch.tasks:
+            if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
+                task.state = TaskState.CANCELLED  # the caller cancelled it between queue and here
+                self._count("cancelled")
+                self._release_input(task)
+                continue
+            if task.state is TaskState.QUEUED:
+                task.move(TaskState.RUNNING)
+            task.attempts += 1
+            task.dispatched_at = task.dispatched_at or now
+            task.in_batch = batch
+            fault = task.fault if self.cfg.fault_injection else None
+            specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.context, fault))
+        batch.tasks = [t for t in batch.tasks if t.state is TaskState.RUNNING]
+        if not batch.tasks:
+            return
+        slot.batches.append(batch)
+        if slot.state is SlotState.READY:
+            slot.move(SlotState.BUSY)
+        out = self._lease_predicted(batch) if len(slot.batches) == 1 else None
+        if len(slot.batches) == 1:
+            batch.started_at = now
+        msg = RunBatch(batch.id, tuple(specs), batch.stack, out.offset if out else -1, out.nbytes if out else 0)
+        slot.send(msg)  # step 4: on a broken pipe the sentinel fires next and the batch replays
+
+    def _lease_predicted(self, batch: Batch) -> Any:
+        want = self._predicted.get(_batch_key(batch))
+        if not want:
+            return None
+        lease = self.outputs.try_lease(want)
+        batch.out_lease = lease
+        return lease
+
+    def _promote(self, slot: Slot, now: float) -> None:
+        """The next held batch starts running now: give it its output region ahead of time."""
+        head = slot.batches[0]
+        head.started_at = max(now, head.started_at or now)
+        if head.out_lease is None:
+            lease = self._lease_predicted(head)
+            if lease is not None:
+                slot.send(OutputGrant(head.id, lease.offset, lease.nbytes))
+
+    def _end_batch(self, batch: Batch) -> None:
+        if batch.out_lease is not None:
+            self.outputs.release(batch.out_lease)
+            batch.out_lease = None
+            self._grant_waiting()
+        for t in batch.tasks:
+            t.in_batch = None
+            if t.lease is not None and t.state.is_terminal:
+                self._release_input(t)
+
+    def _grant_waiting(self) -> None:
+        for slot in self.slots:
+            for b in slot.batches:
+                want = b.out_wanted
+                if want and b.out_lease is None:
+                    lease = self.outputs.try_lease(want)
+                    if lease is None:
+                        return
+                    b.out_lease, b.out_wanted = lease, 0
+                    slot.send(OutputGrant(b.id, lease.offset, lease.nbytes))
+
+    # -- recycling ------------------------------------------------------------------------------
+
+    def _maybe_retire(self, slot: Slot) -> None:
+        cfg = self.cfg
+        if not slot.retiring:
+            too_many = cfg.max_tasks_per_worker is not None and slot.tasks_done >= cfg.max_tasks_per_worker
+            too_big = cfg.worker_memory_limit is not None and slot.rss > cfg.worker_memory_limit
+            if too_many or too_big:
+                slot.retiring = True
+                log.info("retiring slot %d: %s", slot.index, "max_tasks_per_worker" if too_many else "worker_memory_limit")
+        if slot.retiring and not slot.batches and slot.kill_reason is None:
+            slot.move(SlotState.RETIRING)
+            slot.kill_reason = "retire"
+            slot.kill_escalate_at = time.monotonic() + 10.0
+            slot.send(Shutdown())
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def _apply(self, cmd: Command) -> None:
+        try:
+            handler = getattr(self, f"_cmd_{cmd.kind}")
+            result = handler(cmd.arg)
+            if cmd.reply is not None:
+                cmd.reply.append(result)
+        finally:
+            if cmd.done is not None:
+                cmd.done.set()
+
+    def _cmd_cancel(self, arg: tuple[Task, bool]) -> bool:
+        task, kill = arg
+        if task.state.is_terminal:
+            return False
+        if task.state is TaskState.QUEUED and self.queue.discard(task):
+            self._finish(task, error=_cancelled(task, "cancelled while queued"))
+            return True
+        self._finish(task, error=_cancelled(task, "cancelled while running; its result is dropped"))
+        if kill:
+            slot = next((s for s in self.slots if any(task in b.tasks for b in s.batches)), None)
+            if slot is not None and slot.batches and task in slot.batches[0].tasks:
+                slot.kill("cancel")
+        return True
+
+    def _cmd_close(self, cancel_pending: bool) -> None:
+        self.closing = "cancel" if cancel_pending else (self.closing or "drain")
+        if cancel_pending:
+            for task in self.queue.drain_all():
+                self._finish(task, error=_cancelled(task, "the engine closed before it started", "closed"))
+
+    def _cmd_abort(self, reason: str) -> None:
+        """close() ran out of time: cancel everything, stop every worker now."""
+        self._cmd_close(True)
+        for slot in self.slots:
+            for b in slot.batches:
+                for t in b.tasks:
+                    self._finish(t, error=_cancelled(t, reason, "closed"))
+            slot.kill("shutdown", grace=0.2)
+
+    def _cmd_call(self, fn: Callable[[Supervisor], Any]) -> Any:
+        return fn(self)
+
+    # -- endings --------------------------------------------------------------------------------
+
+    def _finish(self, task: Task, *, result: Result | None = None, error: BaseException | None = None) -> None:
+        """End a task exactly once; its Future completes after this step's state changes."""
+        if task.state.is_terminal:
+            return
+        if error is None:
+            new, counter = TaskState.DONE, "completed"
+        elif isinstance(error, E.TaskCancelled):
+            new, counter = TaskState.CANCELLED, "cancelled"
+        else:
+            new, counter = TaskState.FAILED, "failed"
+        task.move(new)
+        self._count(counter)
+        if isinstance(error, E.TaskTimeout):
+            self._count("timeouts")
+        if task.in_batch is None:
+            self._release_input(task)
+        self._completions.append((task.future, result, error))
+
+    def _count(self, counter: str) -> None:
+        with self.queue.lock:
+            setattr(self.queue.counters, counter, getattr(self.queue.counters, counter) + 1)
+
+    def _release_input(self, task: Task) -> None:
+        if task.lease is not None:
+            self.inputs.release(task.lease)
+            task.lease = None
+
+    def _flush(self) -> None:
+        done, self._completions = self._completions, []
+        for fut, result, error in done:
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)  # type: ignore[arg-type]
+            except InvalidStateError:
+                pass  # the caller cancelled it first: it ends once, as cancelled
+
+    def _fail(self, error: BaseException) -> None:
+        """The engine cannot go on (a slot cannot start): every waiting task fails with why."""
+        self.failure = error
+        self.queue.close(error)
+        for task in self.queue.drain_all():
+            self._finish(task, error=error)
+        for slot in self.slots:
+            for b in slot.batches:
+                for t in b.tasks:
+                    self._finish(t, error=error)
+            if slot.process is not None:
+                slot.kill("shutdown", grace=0.0)
+
+    def _shutdown_slots(self) -> None:
+        """Stop every worker: Shutdown, a grace, then SIGKILL; reap all; release every lease."""
+        for slot in self.slots:
+            if slot.process is not None and slot.kill_reason is None:
+                slot.kill_reason = "shutdown"
+                slot.send(Shutdown())
+        deadline = time.monotonic() + 5.0
+        for slot in self.slots:
+            if slot.process is None:
+                continue
+            slot.process.join(max(deadline - time.monotonic(), 0.0))
+            if slot.process.exitcode is None:
+                slot.escalate()
+            self._on_death_final(slot)
+
+    def _on_death_final(self, slot: Slot) -> None:
+        if slot.conn is not None:
+            self._drain(slot)
+        slot.reap()
+        for b in slot.batches:
+            if b.out_lease is not None:
+                self.outputs.release(b.out_lease)
+                b.out_lease = None
+            for t in b.tasks:
+                t.in_batch = None
+                self._finish(t, error=_cancelled(t, "the engine closed while it ran", "closed"))
+                self._release_input(t)
+        slot.batches.clear()
+        slot.state = SlotState.STOPPED
+
+    def _close_wakeup(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close_resources(self) -> None:
+        self._close_wakeup()
+
+
+def _cancelled(task: Task, why: str, reason: str = "cancelled") -> E.TaskCancelled:
+    return E.TaskCancelled(f"task {task.id}: {why}", task_id=task.id, reason=reason)
+
+
+def _task_error(task: Task, err: RemoteError) -> E.TaskError:
+    if err.kind == "contract":
+        exc: E.TaskError = E.InputContractError(f"task {task.id}: {err.message}", task_id=task.id)
+    elif err.kind == "timeout":
+        exc = E.TaskTimeout(f"task {task.id} ran past task_timeout and was terminated: {err.message}", task_id=task.id)
+    else:
+        exc = E.SessionRunError(f"task {task.id} failed: {err.type_name}: {err.message}", task_id=task.id)
+    if err.traceback:
+        exc.__cause__ = E.RemoteTraceback(err.traceback)
+    return exc
+
+
+def _batch_key(batch: Batch) -> tuple[Any, ...]:
+    return tuple(t.shape_key for t in batch.tasks)
+

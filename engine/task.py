@@ -1,0 +1,82 @@
+"""A task in the engine (`Task`), the unit sent to a slot (`Batch`), and what a caller gets
+back (`Result`)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import Crash
+from engine.states import TaskState
+from shm import Lease
+from workers.protocol import FaultSpec, Packed
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds: waiting in the queue, copying through shared memory, in the worker, end to end."""
+
+    queued: float
+    transfer: float
+    run: float
+    total: float
+
+
+@dataclass(frozen=True)
+class Result:
+    task_id: int  # the acceptance sequence number
+    outputs: Any  # dict name -> array (caller-owned), or what postprocess/preprocess returned
+    model_version: str  # digest of the model file that computed it ('' without a model)
+    slot: int
+    pid: int
+    attempts: int  # 1 on the first try
+    timings: Timings
+    context: dict[str, Any] | None = None
+
+
+@dataclass(eq=False)
+class Task:
+    """One accepted task. Mutable, owned by the supervisor once dispatched."""
+
+    id: int
+    future: Future[Result]
+    packed: Packed
+    lease: Lease | None  # its inputs in the input arena; released once, when the task ends
+    shape_key: tuple[Any, ...]  # batches group tasks with equal keys
+    items: int  # items on axis 0 (1 when not batchable)
+    context: dict[str, Any] | None
+    seed: int
+    deadline: float | None  # monotonic; still queued then -> TaskTimeout
+    fault: FaultSpec | None
+    accepted_at: float = field(default_factory=time.monotonic)
+    copy_in_s: float = 0.0
+    state: TaskState = TaskState.QUEUED
+    attempts: int = 0
+    crashes: list[Crash] = field(default_factory=list)
+    dispatched_at: float = 0.0
+    in_batch: Batch | None = None  # the batch that holds it in a slot (its lease stays till then)
+
+    def move(self, new: TaskState) -> None:
+        self.state.check(new)
+        self.state = new
+
+    def __repr__(self) -> str:
+        return f"<Task {self.id} {self.state.name} attempts={self.attempts}>"
+
+
+_batch_ids = iter(range(1, 1 << 62))
+
+
+@dataclass(eq=False)
+class Batch:
+    """Tasks sent together to one slot. A replay keeps the composition (byte-identical)."""
+
+    tasks: list[Task]
+    stack: bool
+    id: int = field(default_factory=lambda: next(_batch_ids))
+    crashes: int = 0  # deaths of workers while running exactly this composition
+    out_lease: Lease | None = None
+    out_wanted: int = 0  # output bytes asked for (NeedOutput) while the arena was full
+    started_at: float | None = None  # when it became the head of its slot

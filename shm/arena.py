@@ -1,0 +1,235 @@
+"""An arena: one shared-memory segment, committed as it grows, leased out in 64-byte ranges.
+
+The supervisor creates every arena and is its only owner: it alone leases, releases, grows
+and closes. A worker maps the same memory from a passed fd (`shm.mapping`), cannot resize it
+(memfd seals) and can read only the ranges a task names.
+
+    create: memfd_create (no name, freed with its last fd or mapping)
+            -> ftruncate(capacity) -> seal shrink/grow/seal -> mmap
+    grow:   posix_fallocate the next step (ENOSPC here, never SIGBUS later) -> pre-fault it
+    lease:  first-fit range, blocking while full; release: coalesce and wake waiters
+    close:  munmap, close fd; the memory goes when the last worker's mapping goes
+
+Fallback where memfd is missing or refused: shm_open with a random `slabpool-` name,
+O_EXCL, mode 0600, unlinked at once (see `shm.sweep` for the microseconds it has a name).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from shm.alloc import RangeAllocator, align_up
+from shm.capacity import Headroom, dev_shm_available, mem_available
+from shm.errors import CapacityError, LeaseError
+from shm.sweep import PREFIX
+
+Backend = Literal["memfd", "posix"]
+MiB = 1 << 20
+PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_generation = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A leased range of one arena. Plain data: it travels in control messages."""
+
+    arena: str
+    offset: int
+    nbytes: int
+    gen: int
+
+
+class Arena:
+    """One shared-memory segment of `capacity` bytes, leased out in ranges. Thread-safe."""
+
+    def __init__(
+        self,
+        label: str,
+        capacity: int,
+        *,
+        backend: Backend = "memfd",
+        instance: str = "",
+        commit_step: int = 64 * MiB,
+        initial_commit: int | None = None,
+    ) -> None:
+        self.label = label
+        self.capacity = align_up(capacity, PAGE)
+        self.backend = backend
+        self._step = align_up(commit_step, PAGE)
+        self._cond = threading.Condition()
+        self._alloc = RangeAllocator(self.capacity)
+        self._leases: dict[int, Lease] = {}
+        self.committed = 0
+        self.fd = _create_fd(backend, label, instance, self.capacity)
+        self._map: mmap.mmap | None = mmap.mmap(self.fd, self.capacity)
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        try:
+            self._commit(min(self.capacity, initial_commit if initial_commit is not None else self._step))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- leasing ------------------------------------------------------------------------------
+
+    def lease(self, nbytes: int, *, timeout: float | None = None) -> Lease:
+        """Lease `nbytes`, waiting up to `timeout` (None: forever) for space; TimeoutError then."""
+        if align_up(max(nbytes, 1)) > self.capacity:
+            raise CapacityError(
+                f"a request of {nbytes} bytes cannot fit the {self.label} arena of "
+                f"{self.capacity} bytes; raise shm_capacity",
+                needed=nbytes,
+                available=self.capacity,
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self._try_lease_locked(nbytes)
+                if got is not None:
+                    return got
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no {nbytes} bytes free in the {self.label} arena")
+                self._cond.wait(remaining)
+
+    def try_lease(self, nbytes: int) -> Lease | None:
+        with self._cond:
+            return self._try_lease_locked(nbytes)
+
+    def release(self, lease: Lease) -> None:
+        with self._cond:
+            held = self._leases.get(lease.offset)
+            if held is None or held.gen != lease.gen:
+                raise LeaseError(f"{lease} is not held (released twice?)")
+            del self._leases[lease.offset]
+            self._alloc.free(lease.offset)
+            self._cond.notify_all()
+
+    def _try_lease_locked(self, nbytes: int) -> Lease | None:
+        offset = self._alloc.allocate(nbytes)
+        if offset is None:
+            return None
+        end = offset + align_up(max(nbytes, 1))
+        if end > self.committed:
+            try:
+                self._commit(min(self.capacity, align_up(end, self._step)))
+            except BaseException:
+                self._alloc.free(offset)
+                raise
+        lease = Lease(self.label, offset, nbytes, next(_generation))
+        self._leases[offset] = lease
+        return lease
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A writeable numpy view of `[offset, offset + nbytes)`; the caller holds the lease."""
+        count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self._bytes[offset : offset + count].view(dtype).reshape(shape)
+
+    def _commit(self, upto: int) -> None:
+        """Reserve backing store for [committed, upto) and fault its pages in, once."""
+        if upto <= self.committed:
+            return
+        start, length = self.committed, upto - self.committed
+        try:
+            os.posix_fallocate(self.fd, start, length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                room = _headroom(self.backend)
+                raise CapacityError(
+                    f"could not reserve {length} bytes of shared memory for the {self.label} "
+                    f"arena ({exc.strerror}); {room.available} bytes free by {room.source}. "
+                    + _FIX,
+                    needed=length,
+                    available=room.available,
+                ) from exc
+            raise
+        assert self._map is not None
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE, start, length)
+        except OSError:
+            self._bytes[start:upto:PAGE] = 0  # older kernels: touch one byte a page
+        self.committed = upto
+
+    # -- status and end -----------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._alloc.used
+
+    @property
+    def leases(self) -> int:
+        with self._cond:
+            return len(self._leases)
+
+    def close(self) -> None:
+        """Unmap and close. Leases still held are dropped: the owner is going away."""
+        if self._map is None:
+            return
+        del self._bytes
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the mapping goes when it does
+        self._map = None
+        os.close(self.fd)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Arena {self.label} {self.backend} used={self._alloc.used} "
+            f"committed={self.committed} capacity={self.capacity}>"
+        )
+
+
+_FIX = (
+    "Lower shm_capacity, or give the container more shared memory: Docker --shm-size, "
+    "Kubernetes an emptyDir {medium: Memory, sizeLimit} on /dev/shm, or a higher memory limit."
+)
+
+
+def _headroom(backend: Backend) -> Headroom:
+    return dev_shm_available() if backend == "posix" else mem_available()
+
+
+def check_capacity(needed: int, backend: Backend) -> None:
+    """Raise CapacityError at start if `needed` bytes cannot be had: never a SIGBUS later."""
+    room = _headroom(backend)
+    if needed > room.available:
+        raise CapacityError(
+            f"slabpool needs {needed} bytes of shared memory ({backend}) but only "
+            f"{room.available} bytes are available ({room.source}). " + _FIX,
+            needed=needed,
+            available=room.available,
+        )
+
+
+def _create_fd(backend: Backend, label: str, instance: str, capacity: int) -> int:
+    if backend == "memfd":
+        fd = os.memfd_create(f"{PREFIX}{instance}-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, capacity)
+        # workers map this fd; seals make it impossible for any of them to resize it (SIGBUS)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # type: ignore[attr-defined]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)  # type: ignore[attr-defined]
+        return fd
+    import _posixshmem  # CPython's own binding; SharedMemory and its tracker are not used
+
+    name = f"/{PREFIX}{instance}-{label}-{secrets.token_hex(8)}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, capacity)
+    finally:
+        _posixshmem.shm_unlink(name)  # nameless from here on, like memfd
+    return fd

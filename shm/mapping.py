@@ -1,0 +1,28 @@
+"""The worker's side of an arena: map it from a passed fd, read and write leased ranges.
+
+There is deliberately no `multiprocessing.shared_memory` here. On Python 3.11 an *attach*
+registers the segment with the resource tracker, which can unlink it under the owner
+(gh-82300); memfd fds passed by `DupFd` need no name and no tracker at all.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+
+class Mapping:
+    """A whole arena mapped into this process. Inputs are mapped read-only."""
+
+    def __init__(self, fd: int, size: int, *, writable: bool) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        os.close(fd)  # the mapping keeps the memory alive
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.writable = writable
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self._bytes[offset : offset + count].view(dtype).reshape(shape)

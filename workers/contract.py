@@ -1,0 +1,87 @@
+"""The input contract: exact names, exact dtype (byte order included), rank and static dims.
+
+Used twice with the same rules: by `Engine.submit()` before a task is accepted (no
+preprocess), and inside the worker after preprocess. Nothing is ever cast or truncated:
+ONNX Runtime and LiteRT both compute garbage, silently, on a big-endian array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.errors import InputContractError
+from workers.protocol import TensorSpec
+
+
+def normalize(inputs: Any, specs: Sequence[TensorSpec]) -> dict[str, Any]:
+    """A bare array is the single input of a single-input model; a mapping is taken as is."""
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    if isinstance(inputs, np.ndarray) and len(specs) == 1:
+        return {specs[0].name: inputs}
+    names = [s.name for s in specs]
+    raise InputContractError(
+        f"expected a dict of numpy arrays keyed by input name {names}"
+        + (" (or a bare array: the model has one input)" if len(specs) == 1 else "")
+        + f", got {type(inputs).__name__}"
+    )
+
+
+def check(feeds: Mapping[str, Any], specs: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
+    """Raise InputContractError naming the input, what was expected and what was got."""
+    expected = {s.name for s in specs}
+    missing = sorted(expected - feeds.keys())
+    extra = sorted(set(feeds) - expected)
+    if missing or extra:
+        raise InputContractError(
+            f"input names do not match the model: expected {sorted(expected)}, got "
+            f"{sorted(map(str, feeds))}" + (f"; missing {missing}" if missing else "")
+            + (f"; unknown {extra}" if extra else "")
+        )
+    batch: int | None = None
+    for spec in specs:
+        arr = feeds[spec.name]
+        check_one(spec, arr)
+        if spec.shape and spec.shape[0] is None:
+            if batch is not None and arr.shape[0] != batch:
+                raise InputContractError(
+                    f"input {spec.name!r}: expected {batch} items on axis 0 like the other "
+                    f"inputs, got {arr.shape[0]}"
+                )
+            batch = arr.shape[0]
+    return dict(feeds)
+
+
+def check_one(spec: TensorSpec, arr: Any) -> None:
+    where = f"input {spec.name!r}"
+    if not isinstance(arr, np.ndarray):
+        raise InputContractError(
+            f"{where}: expected a numpy.ndarray of {spec.dtype}, got {type(arr).__name__}"
+        )
+    want = np.dtype(spec.dtype)
+    if arr.dtype != want:
+        hint = " (non-native byte order; convert with .astype(...newbyteorder('='))" if (
+            arr.dtype.newbyteorder("=") == want
+        ) else ""
+        raise InputContractError(
+            f"{where}: expected dtype {want.str} ({want}), got {arr.dtype.str} ({arr.dtype}){hint}; "
+            "nothing is cast silently"
+        )
+    if arr.ndim != len(spec.shape):
+        raise InputContractError(
+            f"{where}: expected rank {len(spec.shape)} with shape {_fmt(spec.shape)}, "
+            f"got rank {arr.ndim} with shape {arr.shape}"
+        )
+    for axis, (want_dim, got_dim) in enumerate(zip(spec.shape, arr.shape)):
+        if want_dim is not None and want_dim != got_dim:
+            raise InputContractError(
+                f"{where}: expected shape {_fmt(spec.shape)}, got {arr.shape} "
+                f"(axis {axis} must be {want_dim})"
+            )
+
+
+def _fmt(shape: Sequence[int | None]) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

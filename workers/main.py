@@ -1,0 +1,279 @@
+"""The worker process: handshake, then one loop over the pipe. Steps 5-7 of the task flow.
+
+    boot -> map arenas -> watch parent -> initializer -> build session -> Ready | InitFailed
+    loop:  RunBatch -> (5) view inputs -> (6) preprocess, check, run -> postprocess
+                    -> (7) write outputs into the output region -> BatchDone
+           Shutdown | EOF (supervisor gone) -> exit
+
+The worker owns exactly one session; nothing else in the process touches it. It ignores
+SIGINT (Ctrl-C belongs to the supervisor, which drains) and exits on its own the moment
+its supervisor dies, whatever kills it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from engine import context
+from engine.errors import InputContractError
+from shm.mapping import Mapping
+from workers import contract, faults, packing
+from workers.protocol import (
+    BatchDone,
+    FaultSpec,
+    InitFailed,
+    NeedOutput,
+    Outcome,
+    OutputGrant,
+    Ready,
+    RemoteError,
+    RunBatch,
+    Shutdown,
+    TaskSpec,
+)
+from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
+from workers.worklog import Outbox, install_pipe_logging
+
+log = logging.getLogger("workers")
+
+
+@dataclass(frozen=True)
+class WorkerBoot:
+    """Everything a worker needs, picklable: sent once as the process argument."""
+
+    slot: int
+    incarnation: int
+    session: SessionSpec | None
+    preprocess: Callable[..., Any] | None
+    postprocess: Callable[..., Any] | None
+    initializer: Callable[..., Any] | None
+    initargs: tuple[Any, ...]
+    in_capacity: int
+    out_capacity: int
+    task_timeout: float | None
+    report_rss: bool
+    log_level: int
+    init_fault: FaultSpec | None = None
+
+
+def main(boot: WorkerBoot, conn: Connection, in_fd: Any, out_fd: Any) -> None:
+    """Process entry point (a module-level function: spawn and forkserver import it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()
+    _watch_parent()
+    inputs = Mapping(in_fd.detach(), boot.in_capacity, writable=False)
+    outputs = Mapping(out_fd.detach(), boot.out_capacity, writable=True)
+    outbox = Outbox(conn)
+    install_pipe_logging(outbox, boot.slot, boot.log_level)
+    try:
+        faults.inject(boot.init_fault, "init")
+        if boot.initializer is not None:
+            boot.initializer(*boot.initargs)
+        session = load_session(boot.session) if boot.session is not None else None
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back as data
+        outbox.send(InitFailed(remote_error(exc, "run")))
+        return
+    outbox.send(Ready(os.getpid(), session.info if session else None))
+    Worker(boot, conn, outbox, inputs, outputs, session).loop()
+
+
+def _watch_parent() -> None:
+    """Exit at once when the supervisor dies (even by SIGKILL): never linger as an orphan."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class Worker:
+    def __init__(
+        self,
+        boot: WorkerBoot,
+        conn: Connection,
+        outbox: Outbox,
+        inputs: Mapping,
+        outputs: Mapping,
+        session: ModelSession | None,
+    ) -> None:
+        self.boot, self.conn, self.outbox = boot, conn, outbox
+        self.inputs, self.outputs, self.session = inputs, outputs, session
+        self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
+
+    def loop(self) -> None:
+        while True:
+            try:
+                msg = self.pending.popleft() if self.pending else self.conn.recv()
+            except EOFError:
+                return  # the supervisor is gone
+            if isinstance(msg, RunBatch):
+                self.outbox.send(self.run_batch(msg))
+            elif isinstance(msg, Shutdown):
+                return
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def run_batch(self, msg: RunBatch) -> BatchDone:
+        t0 = time.perf_counter()
+        results: dict[int, Any] = {}  # task id -> outputs, or RemoteError
+        feeds = {t.task_id: self._guarded(t, "preprocess", lambda: self._prepare(t)) for t in msg.tasks}
+        results.update((i, f) for i, f in feeds.items() if isinstance(f, RemoteError))
+        ready = [t for t in msg.tasks if t.task_id not in results]
+        if self.session is None:
+            for t in ready:
+                results[t.task_id] = feeds[t.task_id]
+        elif ready:
+            self._run(msg.stack, ready, feeds, results)
+        if self.boot.postprocess is not None:
+            for t in ready:
+                if not isinstance(results[t.task_id], RemoteError):
+                    out = results[t.task_id]
+                    results[t.task_id] = self._guarded(t, "postprocess", lambda: self._post(out, t))
+        run_s = time.perf_counter() - t0
+        outcomes = self._write(msg, results)
+        return BatchDone(msg.batch_id, outcomes, run_s, _rss() if self.boot.report_rss else 0)
+
+    def _prepare(self, t: TaskSpec) -> Any:
+        # step 5: views of the task's inputs (read-only: the mapping is PROT_READ)
+        _seed(t.seed)  # before preprocess, so a replay draws the same random numbers
+        item = packing.unpack(t.item, self.inputs.array)
+        faults.inject(t.fault, "preprocess")
+        if self.boot.preprocess is not None:
+            item = self.boot.preprocess(item)
+        if self.session is not None:
+            specs = self.session.info.inputs
+            item = contract.check(contract.normalize(item, specs), specs)
+        return item
+
+    def _run(self, stack: bool, ready: list[TaskSpec], feeds: dict[int, Any], results: dict[int, Any]) -> None:
+        # step 6: one session call for the whole batch when stacked, else one per task
+        assert self.session is not None
+        for t in ready:
+            faults.inject(t.fault, "run")
+        if stack and len(ready) > 1:
+            try:
+                for t, out in zip(ready, self._run_stacked(ready, feeds)):
+                    results[t.task_id] = out
+                return
+            except Exception:  # noqa: BLE001 - find the guilty item: run each on its own
+                log.debug("stacked run failed; running the batch's %d items one by one", len(ready))
+        for t in ready:
+            f = feeds[t.task_id]
+            results[t.task_id] = self._guarded(t, "run", lambda: self._run_one(f))
+
+    def _run_one(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.session is not None
+        return self.session.run(feeds, self.boot.task_timeout)
+
+    def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
+        assert self.session is not None
+        names = [s.name for s in self.session.info.inputs]
+        counts = [feeds[t.task_id][names[0]].shape[0] for t in ready]
+        stacked = {n: np.concatenate([feeds[t.task_id][n] for t in ready]) for n in names}
+        out = self.session.run(stacked, self.boot.task_timeout)
+        total = sum(counts)
+        for name, arr in out.items():
+            if arr.ndim == 0 or arr.shape[0] != total:
+                raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
+        bounds = np.cumsum(counts)[:-1]
+        split = {name: np.split(arr, bounds) for name, arr in out.items()}
+        return [{name: split[name][i] for name in out} for i in range(len(ready))]
+
+    def _post(self, outputs: Any, t: TaskSpec) -> Any:
+        faults.inject(t.fault, "postprocess")
+        assert self.boot.postprocess is not None
+        item = packing.unpack(t.item, self.inputs.array)
+        return self.boot.postprocess(outputs, item)
+
+    def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
+        """Run one stage of one task with its context bound; an error becomes a RemoteError."""
+        with context.bind(t.context):
+            try:
+                return thunk()
+            except InputContractError as exc:
+                err = remote_error(exc, "contract")
+            except RunTimeout as exc:
+                err = remote_error(exc, "timeout")
+            except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
+                err = remote_error(exc, "run")
+        log.info("task failed in %s: %s", stage, err.type_name, extra={"task_id": t.task_id})
+        return err
+
+    # -- step 7: outputs into shared memory ----------------------------------------------------
+
+    def _write(self, msg: RunBatch, results: dict[int, Any]) -> tuple[Outcome, ...]:
+        parts = []
+        for t in msg.tasks:
+            res = results[t.task_id]
+            if isinstance(res, RemoteError):
+                parts.append((t, None, [], res))
+                continue
+            try:
+                skeleton, arrays = packing.split(res)
+            except TypeError as exc:
+                parts.append((t, None, [], remote_error(exc, "run")))
+                continue
+            parts.append((t, skeleton, arrays, None))
+        sizes = [packing.layout(arrays)[1] for _, _, arrays, _ in parts]
+        total = sum(sizes)
+        base = msg.out_offset
+        if total > 0 and (base < 0 or total > msg.out_nbytes):
+            base, error = self._ask_output(msg.batch_id, total)
+            if error:
+                err = RemoteError("run", "ShmCapacityError", error, "")
+                return tuple(Outcome(t.task_id, None, e or err) for t, _, _, e in parts)
+        outcomes = []
+        for (t, skeleton, arrays, err), size in zip(parts, sizes):
+            if err is not None:
+                outcomes.append(Outcome(t.task_id, None, err))
+                continue
+            faults.inject(t.fault, "write_outputs")
+            outcomes.append(Outcome(t.task_id, packing.write(skeleton, arrays, base, self.outputs.array)))
+            base += size
+        return tuple(outcomes)
+
+    def _ask_output(self, batch_id: int, nbytes: int) -> tuple[int, str]:
+        self.outbox.send(NeedOutput(batch_id, nbytes))
+        while True:
+            msg = self.conn.recv()
+            if isinstance(msg, OutputGrant) and msg.batch_id == batch_id:
+                return msg.offset, msg.error
+            self.pending.append(msg)
+
+
+def remote_error(exc: BaseException, kind: Any) -> RemoteError:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
+
+
+def _seed(seed: int) -> None:
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * _PAGE
+

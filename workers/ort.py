@@ -1,0 +1,167 @@
+"""The ONNX Runtime adapter: one InferenceSession, one thread, no spinning, honest providers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from workers.protocol import SessionInfo, TensorSpec
+from workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec, model_digest
+
+_CPU = "CPUExecutionProvider"
+_DTYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int8)": "int8", "tensor(int16)": "int16", "tensor(int32)": "int32",
+    "tensor(int64)": "int64", "tensor(uint8)": "uint8", "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32", "tensor(uint64)": "uint64", "tensor(bool)": "bool",
+}  # fmt: skip
+
+
+class OrtSession:
+    def __init__(self, spec: SessionSpec) -> None:
+        t0 = time.perf_counter()
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = spec.threads  # explicit: the default pins threads to cores
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        requested = _provider_names(spec.providers)
+        providers, degraded = _usable_providers(spec)
+        self._sess = ort.InferenceSession(spec.path, sess_options=so, providers=providers)
+        applied = tuple(self._sess.get_providers())
+        accel = [p for p in requested if p != _CPU]
+        if accel and not _runs_nodes_on(self._sess, accel):
+            if not spec.allow_fallback:
+                raise AcceleratorUnavailable(
+                    f"requested {accel} but no node of the model runs on it (applied: {list(applied)}); "
+                    "pass allow_fallback=True to run on the CPU"
+                )
+            degraded = True
+        self._outputs = [o.name for o in self._sess.get_outputs()]
+        self._terminator = _Terminator()
+        self.info = SessionInfo(
+            runtime="onnxruntime",
+            runtime_version=ort.__version__,
+            requested=tuple(requested),
+            applied=applied,
+            degraded=degraded,
+            model_digest=model_digest(spec.path),
+            load_s=time.perf_counter() - t0,
+            inputs=tuple(_spec(a) for a in self._sess.get_inputs()),
+            outputs=tuple(_spec(a) for a in self._sess.get_outputs()),
+        )
+
+    def run(self, feeds: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
+        opts = ort.RunOptions()
+        if timeout is None:
+            values = self._sess.run(self._outputs, feeds, opts)
+        else:
+            with self._terminator.armed(opts, timeout):
+                try:
+                    values = self._sess.run(self._outputs, feeds, opts)
+                except Exception as exc:
+                    if opts.terminate:
+                        raise RunTimeout(f"terminated after {timeout} s") from exc
+                    raise
+        return dict(zip(self._outputs, values))
+
+    def close(self) -> None:
+        self._terminator.stop()
+        del self._sess
+
+
+def _spec(arg: Any) -> TensorSpec:
+    dtype = _DTYPES.get(arg.type)
+    if dtype is None:
+        raise TypeError(f"{arg.name!r} has type {arg.type}, which slabpool does not support")
+    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
+    return TensorSpec(arg.name, np.dtype(dtype).str, shape)
+
+
+def _provider_names(providers: tuple[Any, ...] | None) -> list[str]:
+    if not providers:
+        return [_CPU]
+    return [p[0] if isinstance(p, tuple) else str(p) for p in providers]
+
+
+def _usable_providers(spec: SessionSpec) -> tuple[list[Any], bool]:
+    """Drop what this build lacks *before* creating the session, so ORT never prints
+    its "EP Error ... Falling back" to stdout; raise unless fallback is allowed."""
+    if not spec.providers:
+        return [_CPU], False
+    available = set(ort.get_available_providers())
+    usable = [p for p in spec.providers if (p[0] if isinstance(p, tuple) else p) in available]
+    missing = [p for p in _provider_names(spec.providers) if p not in available]
+    if missing and not spec.allow_fallback:
+        raise AcceleratorUnavailable(
+            f"execution provider(s) {missing} are not available in this onnxruntime build "
+            f"(available: {sorted(available)}); pass allow_fallback=True to run on the CPU"
+        )
+    if not any((p[0] if isinstance(p, tuple) else p) == _CPU for p in usable):
+        usable.append(_CPU)
+    return usable, bool(missing)
+
+
+def _runs_nodes_on(sess: Any, providers: list[str]) -> bool:
+    try:
+        info = sess.get_provider_graph_assignment_info()
+    except Exception:  # older runtimes: trust get_providers()
+        return any(p in sess.get_providers() for p in providers)
+    return any(sub.ep_name in providers and len(sub.get_nodes()) > 0 for sub in info)
+
+
+class _Terminator:
+    """One thread per worker that sets RunOptions.terminate when a run outlives its limit."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._target: tuple[Any, float] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def armed(self, opts: Any, timeout: float) -> _Armed:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ort-terminator", daemon=True)
+            self._thread.start()
+        return _Armed(self, opts, time.monotonic() + timeout)
+
+    def _set(self, target: tuple[Any, float] | None) -> None:
+        with self._cond:
+            self._target = target
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                if self._target is None:
+                    self._cond.wait()
+                    continue
+                opts, deadline = self._target
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    opts.terminate = True
+                    self._target = None
+                else:
+                    self._cond.wait(left)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+
+class _Armed:
+    def __init__(self, owner: _Terminator, opts: Any, deadline: float) -> None:
+        self._owner, self._opts, self._deadline = owner, opts, deadline
+
+    def __enter__(self) -> None:
+        self._owner._set((self._opts, self._deadline))
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner._set(None)

@@ -1,0 +1,107 @@
+"""Move the arrays of a structure into shared memory and back, leaving the rest to pickle.
+
+    pack:   {"x": arr, "meta": {"id": 7}}  ->  Packed({"x": Hole(0), "meta": {"id": 7}}, [ref0])
+    unpack: Packed + arena views           ->  {"x": view0, "meta": {"id": 7}}
+
+Only dicts, lists and tuples are walked; every other leaf is left as it is (and pickled).
+Object arrays hold pointers, not data, and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shm.alloc import align_up
+from workers.protocol import ArrayRef, Hole, Packed
+
+
+def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
+    """The skeleton of `obj` and its arrays, in skeleton order."""
+    arrays: list[np.ndarray] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, np.ndarray):
+            if node.dtype.hasobject:
+                raise TypeError("arrays of dtype object cannot go through shared memory")
+            arrays.append(node)
+            return Hole(len(arrays) - 1)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            out = [walk(v) for v in node]
+            return out if isinstance(node, list) else tuple(out)
+        return node
+
+    return walk(obj), arrays
+
+
+def layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
+    """Offsets (relative, 64-byte aligned) of each array in one region, and its total size."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total = align_up(total + a.nbytes)
+    return offsets, total
+
+
+def region_size(packed: Packed) -> int:
+    """Bytes a Packed structure occupies in its region (as laid out by `layout`)."""
+    total = 0
+    for ref in packed.arrays:
+        total = align_up(total + np.dtype(ref.dtype).itemsize * int(np.prod(ref.shape, dtype=np.int64)))
+    return total
+
+
+def write(
+    skeleton: Any,
+    arrays: list[np.ndarray],
+    base: int,
+    array_at: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray],
+) -> Packed:
+    """Copy `arrays` into the region at `base` (laid out by `layout`); return the Packed form."""
+    offsets, _ = layout(arrays)
+    refs = []
+    for a, off in zip(arrays, offsets):
+        dst = array_at(base + off, a.dtype, a.shape)
+        np.copyto(dst, a, casting="no")
+        refs.append(ArrayRef(base + off, a.dtype.str, a.shape))
+    return Packed(skeleton, tuple(refs))
+
+
+def unpack(
+    packed: Packed,
+    array_at: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray],
+    *,
+    copy: bool = False,
+    readonly: bool = False,
+) -> Any:
+    """Rebuild the structure: views into the arena (or private copies when `copy`)."""
+    arrays = []
+    for ref in packed.arrays:
+        a = array_at(ref.offset, np.dtype(ref.dtype), ref.shape)
+        if copy:
+            a = a.copy()
+        elif readonly:
+            a = a.view()
+            a.flags.writeable = False
+        arrays.append(a)
+    if isinstance(packed.skeleton, dict) and all(
+        type(v) is Hole for v in packed.skeleton.values()
+    ):  # fast path: a flat dict of arrays
+        return {k: arrays[v.index] for k, v in packed.skeleton.items()}
+    return _fill(packed.skeleton, arrays)
+
+
+def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
+    if type(node) is Hole:
+        return arrays[node.index]
+    if isinstance(node, dict):
+        return {k: _fill(v, arrays) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, arrays) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_fill(v, arrays) for v in node)
+    return node

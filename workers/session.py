@@ -1,0 +1,83 @@
+"""One model session per worker, behind one small interface, for every runtime.
+
+    spec = SessionSpec(path, backend="onnxruntime", ...)   # picklable; built by the supervisor
+    session = load_session(spec)                           # in the worker, once
+    session.info                                           # what is REALLY in use
+    outputs = session.run({"x": arr})                      # dict name -> array
+
+Each adapter imports its runtime here, lazily: `import engine` never imports onnxruntime or
+LiteRT. Runtime errors are translated at this boundary (a worker reports them as data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from workers.protocol import SessionInfo
+
+Backend = Literal["onnxruntime", "litert"]
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """How to build a session: everything picklable, nothing live."""
+
+    path: str
+    backend: Backend
+    providers: tuple[Any, ...] | None = None  # ONNX Runtime: names or (name, options)
+    delegate: str | None = None  # LiteRT: None (XNNPACK), "none", or an external delegate path
+    delegate_options: dict[str, str] = field(default_factory=dict)
+    allow_fallback: bool = False  # may a missing provider/delegate degrade to the CPU path?
+    threads: int = 1
+
+
+class ModelSession(Protocol):
+    info: SessionInfo
+
+    def run(self, feeds: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run once; raise RunTimeout if `timeout` (s) passes and the runtime can stop cleanly."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RunTimeout(Exception):
+    """The runtime stopped a run cleanly at the task's time limit (ONNX Runtime terminate)."""
+
+
+class AcceleratorUnavailable(RuntimeError):
+    """A provider or delegate was requested, could not be applied, and fallback is not allowed."""
+
+
+def detect_backend(path: str) -> Backend:
+    """By content: a FlatBuffer with identifier TFL3 is LiteRT; else by suffix; else ONNX."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[4:8] == b"TFL3" or path.endswith(".tflite"):
+        return "litert"
+    return "onnxruntime"
+
+
+def model_digest(path: str) -> str:
+    """The model version: the first 16 hex digits of the file's SHA-256."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_session(spec: SessionSpec) -> ModelSession:
+    if spec.backend == "onnxruntime":
+        from workers.ort import OrtSession
+
+        return OrtSession(spec)
+    if spec.backend == "litert":
+        from workers.litert import LiteRtSession
+
+        return LiteRtSession(spec)
+    raise ValueError(f"unknown backend {spec.backend!r}: expected 'onnxruntime' or 'litert'")

@@ -1,0 +1,55 @@
+"""Worker logs reach the supervisor's logging: records travel the pipe as data.
+
+Each record carries slot, pid, task id, attempt, stage and the context's tenant/request_id,
+never input or output data. The supervisor re-emits them on its own loggers, so a user
+configures logging once, in the main process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine import context
+from workers.protocol import LogRecord
+
+_FIELDS = ("task_id", "attempt", "stage", "error")
+_CONTEXT_FIELDS = ("tenant", "request_id")
+
+
+class Outbox:
+    """The worker's one way to send: a lock keeps messages from interleaving across threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+
+class PipeHandler(logging.Handler):
+    def __init__(self, outbox: Outbox, slot: int) -> None:
+        super().__init__()
+        self.outbox = outbox
+        self.base = {"slot": slot, "pid": os.getpid()}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = dict(self.base)
+            fields.update((k, getattr(record, k)) for k in _FIELDS if hasattr(record, k))
+            ctx = context.current()
+            fields.update((k, ctx[k]) for k in _CONTEXT_FIELDS if k in ctx)
+            self.outbox.send(LogRecord(record.name, record.levelno, record.getMessage(), fields))
+        except Exception:  # noqa: BLE001 - logging must never kill a worker
+            self.handleError(record)
+
+
+def install_pipe_logging(outbox: Outbox, slot: int, level: int) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [PipeHandler(outbox, slot)]
+    root.setLevel(level)
