@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from engine import errors as E
+from engine.aio import AsyncEngineMixin
 from engine.admission import TaskQueue, superseded_error
 from engine.config import EngineConfig, resolve
 from engine.metrics import Metrics, render
@@ -29,7 +30,7 @@ from workers.main import WorkerBoot
 from workers.protocol import FaultSpec, TensorSpec
 
 
-class Engine:
+class Engine(AsyncEngineMixin):
     """A pool of worker processes, one model session each, fed through shared memory.
 
         with Engine("model.onnx", workers=4) as eng:
@@ -38,7 +39,16 @@ class Engine:
             for res in eng.map(items): ...         # ordered, bounded in flight
     """
 
+    def __new__(cls, model: str | os.PathLike[str] | None = None, **settings: Any) -> Any:
+        if settings.get("cluster", "local") == "ray" and cls is Engine:
+            from engine.ray_backend import RayEngine  # same API, slots are Ray actors
+
+            return RayEngine(model, **settings)
+        return super().__new__(cls)
+
     def __init__(self, model: str | os.PathLike[str] | None = None, **settings: Any) -> None:
+        if settings.pop("cluster", "local") != "local":
+            raise ValueError("cluster must be 'local' or 'ray'")
         fault_injection = settings.pop("_fault_injection", False)
         self.config: EngineConfig = resolve(model, fault_injection=fault_injection, **settings)
         cfg = self.config

@@ -77,7 +77,8 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
         raise FileNotFoundError(f"model file not found: {path}")
     if path is None and kw.get("preprocess") is None:
         raise ValueError("model=None needs a preprocess function: it is then the whole task")
-    workers = kw.pop("workers", None) or usable_cpus()
+    workers = kw.pop("workers", None)
+    workers = usable_cpus() if workers is None else workers
     _positive("workers", workers)
     sm = kw.get("start_method", "forkserver")
     if sm == "fork":

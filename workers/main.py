@@ -13,6 +13,7 @@ its supervisor dies, whatever kills it.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import multiprocessing
 import os
@@ -126,7 +127,12 @@ class Worker:
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
-                self.outbox.send(self.run_batch(msg))
+                try:
+                    done = self.run_batch(msg)
+                except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
+                    err = remote_error(exc, "run")
+                    done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)
+                self.outbox.send(done)
             elif isinstance(msg, Shutdown):
                 return
 
@@ -135,7 +141,7 @@ class Worker:
     def run_batch(self, msg: RunBatch) -> BatchDone:
         t0 = time.perf_counter()
         results: dict[int, Any] = {}  # task id -> outputs, or RemoteError
-        feeds = {t.task_id: self._guarded(t, "preprocess", lambda: self._prepare(t)) for t in msg.tasks}
+        feeds = {t.task_id: self._guarded(t, "preprocess", functools.partial(self._prepare, t)) for t in msg.tasks}
         results.update((i, f) for i, f in feeds.items() if isinstance(f, RemoteError))
         ready = [t for t in msg.tasks if t.task_id not in results]
         if self.session is None:
@@ -146,8 +152,8 @@ class Worker:
         if self.boot.postprocess is not None:
             for t in ready:
                 if not isinstance(results[t.task_id], RemoteError):
-                    out = results[t.task_id]
-                    results[t.task_id] = self._guarded(t, "postprocess", lambda: self._post(out, t))
+                    post = functools.partial(self._post, results[t.task_id], t)
+                    results[t.task_id] = self._guarded(t, "postprocess", post)
         run_s = time.perf_counter() - t0
         outcomes = self._write(msg, results)
         return BatchDone(msg.batch_id, outcomes, run_s, _rss() if self.boot.report_rss else 0)
@@ -167,8 +173,6 @@ class Worker:
     def _run(self, stack: bool, ready: list[TaskSpec], feeds: dict[int, Any], results: dict[int, Any]) -> None:
         # step 6: one session call for the whole batch when stacked, else one per task
         assert self.session is not None
-        for t in ready:
-            faults.inject(t.fault, "run")
         if stack and len(ready) > 1:
             try:
                 for t, out in zip(ready, self._run_stacked(ready, feeds)):
@@ -177,15 +181,17 @@ class Worker:
             except Exception:  # noqa: BLE001 - find the guilty item: run each on its own
                 log.debug("stacked run failed; running the batch's %d items one by one", len(ready))
         for t in ready:
-            f = feeds[t.task_id]
-            results[t.task_id] = self._guarded(t, "run", lambda: self._run_one(f))
+            results[t.task_id] = self._guarded(t, "run", functools.partial(self._run_one, t, feeds[t.task_id]))
 
-    def _run_one(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_one(self, t: TaskSpec, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.session is not None
+        faults.inject(t.fault, "run")
         return self.session.run(feeds, self.boot.task_timeout)
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
         assert self.session is not None
+        for t in ready:
+            faults.inject(t.fault, "run")
         names = [s.name for s in self.session.info.inputs]
         counts = [feeds[t.task_id][names[0]].shape[0] for t in ready]
         stacked = {n: np.concatenate([feeds[t.task_id][n] for t in ready]) for n in names}
@@ -252,12 +258,21 @@ class Worker:
         return tuple(outcomes)
 
     def _ask_output(self, batch_id: int, nbytes: int) -> tuple[int, str]:
+        """A region of at least `nbytes` for this batch. The grant may already wait in the pipe
+        (sent when the batch became its slot's head); else ask. Smaller grants are stale."""
+        while self.conn.poll():
+            self.pending.append(self.conn.recv())
+        for msg in [m for m in self.pending if isinstance(m, OutputGrant)]:
+            self.pending.remove(msg)
+            if msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
+                return msg.offset, msg.error
         self.outbox.send(NeedOutput(batch_id, nbytes))
         while True:
             msg = self.conn.recv()
-            if isinstance(msg, OutputGrant) and msg.batch_id == batch_id:
+            if not isinstance(msg, OutputGrant):
+                self.pending.append(msg)
+            elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
                 return msg.offset, msg.error
-            self.pending.append(msg)
 
 
 def remote_error(exc: BaseException, kind: Any) -> RemoteError:

@@ -1,0 +1,82 @@
+"""Shared fixtures: models built once per session, both start methods, and the leak check
+that runs after every test (no child process, no slabpool shared memory)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from tests.models import onnx_models, tflite_models
+
+_MP_INFRA = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def our_children() -> list[psutil.Process]:
+    """Child processes of this test process, except multiprocessing's own forkserver and
+    resource tracker (one each per parent, shared by every engine, gone when pytest exits)."""
+    kids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if any(name in cmd for name in _MP_INFRA):
+            continue
+        kids.append(p)
+    return kids
+
+
+def slabpool_shm() -> list[str]:
+    """Our shared memory still alive: names in /dev/shm, and memfds held by this process."""
+    names = [n for n in os.listdir("/dev/shm") if n.startswith("slabpool-")]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:slabpool-"):
+            names.append(target)
+    return names
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    deadline = time.monotonic() + 10  # only a leak reaches it
+    while (our_children() or slabpool_shm()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kids = our_children()
+    for p in kids:
+        p.kill()
+    assert not kids, f"child processes left behind: {[(p.pid, p.cmdline()) for p in kids]}"
+    assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    d: Path = tmp_path_factory.mktemp("models")
+    return SimpleNamespace(
+        mlp=onnx_models.mlp(d / "mlp.onnx"),
+        convnet=onnx_models.convnet(d / "convnet.onnx"),
+        multi_io=onnx_models.multi_io(d / "multi_io.onnx"),
+        poison=onnx_models.poison(d / "poison.onnx"),
+        slow=onnx_models.slow(d / "slow.onnx", k=16, dim=512),
+        identity=onnx_models.identity(d / "identity.onnx", dim=4),
+        static=onnx_models.static_shape(d / "static.onnx"),
+        int_model=onnx_models.int_model(d / "int.onnx"),
+        payload=onnx_models.payload(d / "payload.onnx", elements=256 * 1024),
+        tfl_mlp=tflite_models.mlp(d / "mlp.tflite"),
+        tfl_static=tflite_models.static_mlp(d / "static_mlp.tflite"),
+        tfl_two=tflite_models.two_inputs(d / "two.tflite"),
+        dir=d,
+    )
+
+
+@pytest.fixture(params=["forkserver", "spawn"])
+def start_method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

@@ -1,0 +1,53 @@
+"""Importable hooks that tests hand to workers (preprocess, postprocess, initializer)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from typing import Any
+
+import numpy as np
+
+from engine import context
+
+
+def double(item: Any) -> Any:
+    """A pure-CPU 'preprocess': the whole task when model=None."""
+    return {"y": np.asarray(item["x"]) * 2}
+
+
+def to_feeds(item: Any) -> dict[str, np.ndarray]:
+    """Preprocess for the mlp: item {"x": arr, ...} -> feeds."""
+    return {"x": np.ascontiguousarray(item["x"], dtype=np.float32)}
+
+
+def augment(item: Any) -> dict[str, np.ndarray]:
+    """Random augmentation: replays must draw the same numbers (per-task seeds)."""
+    x = np.asarray(item["x"], dtype=np.float32)
+    noise = np.random.standard_normal(x.shape).astype(np.float32) * 0.01 + random.random()
+    return {"x": x + noise}
+
+
+def argmax_post(outputs: dict[str, np.ndarray], item: Any) -> dict[str, Any]:
+    return {"label": outputs["probs"].argmax(axis=-1), "n": int(outputs["probs"].shape[0])}
+
+
+def read_context(item: Any) -> dict[str, Any]:
+    """Return what the task sees as its context (and raise if asked to, to test clearing)."""
+    seen = dict(context.current())
+    if item.get("raise"):
+        raise RuntimeError("asked to fail")
+    return {"seen": seen}
+
+
+def kill_marked(item: Any) -> Any:
+    """Kill this worker the first time a marked item is seen (a file marks 'seen')."""
+    mark = item.get("kill_once")
+    if mark is not None:
+        try:
+            os.close(os.open(str(mark), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.kill(os.getpid(), signal.SIGKILL)
+        except FileExistsError:
+            pass
+    return {"x": np.asarray(item["x"], dtype=np.float32)}

@@ -1,0 +1,218 @@
+"""The foundation: one session per worker, results byte-identical to one in-process thread,
+the public API's shapes, and nothing left behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+from engine import Engine, Result
+from engine.errors import EngineClosed, InputContractError, SessionInitError
+from tests import hooks
+from tests.reference import litert_run, ort_run
+
+rng = np.random.default_rng(0)
+
+
+def _x(n: int = 4, d: int = 16) -> np.ndarray:
+    return rng.standard_normal((n, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("model,runner", [("mlp", ort_run), ("tfl_mlp", litert_run)])
+def test_outputs_byte_identical_to_one_thread_in_process(models, start_method, model, runner):
+    path = getattr(models, model)
+    inputs = [_x(n) for n in (1, 3, 7, 1, 16)]
+    with Engine(path, workers=2, start_method=start_method) as eng:
+        results = [f.result(timeout=60) for f in [eng.submit({"x": x}) for x in inputs]]
+    for x, res in zip(inputs, results):
+        want = runner(path, {"x": x})
+        assert res.outputs.keys() == want.keys()
+        for name in want:
+            assert res.outputs[name].tobytes() == want[name].tobytes(), name
+
+
+def test_result_is_a_frozen_record_of_who_computed_it(models):
+    with Engine(models.mlp, workers=2) as eng:
+        res = eng.submit({"x": _x()}).result(timeout=60)
+        pids = {s.pid for s in eng.stats().slots}
+    assert isinstance(res, Result)
+    assert res.task_id == 0 and res.attempts == 1 and res.pid in pids and res.slot in (0, 1)
+    assert res.model_version == eng.model_version and len(res.model_version) == 16
+    assert min(dataclasses.astuple(res.timings)) >= 0 and res.timings.total >= res.timings.run
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.task_id = 5  # type: ignore[misc]
+
+
+def test_outputs_are_caller_owned_and_inputs_may_be_reused_after_submit(models):
+    x = _x()
+    want = ort_run(models.mlp, {"x": x.copy()})
+    with Engine(models.mlp, workers=1) as eng:
+        fut = eng.submit({"x": x})
+        x[:] = 0  # the caller may mutate its array the moment submit() returns
+        out = fut.result(timeout=60).outputs
+    assert out["probs"].tobytes() == want["probs"].tobytes()
+    assert out["probs"].flags.writeable and out["probs"].flags.owndata
+
+
+def test_bare_array_for_a_single_input_model_and_infer(models):
+    x = _x()
+    with Engine(models.mlp, workers=1) as eng:
+        y = eng.infer(x)
+    assert set(y) == {"probs", "logits"}
+    assert y["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+def test_multi_input_mixed_dtypes(models):
+    feats = rng.standard_normal((5, 4)).astype(np.float32)
+    ids = np.arange(5, dtype=np.int64)
+    with Engine(models.multi_io, workers=1) as eng:
+        out = eng.infer({"feats": feats, "ids": ids})
+        with pytest.raises(InputContractError, match="a dict"):
+            eng.submit(feats)  # two inputs: a bare array is ambiguous
+    want = ort_run(models.multi_io, {"feats": feats, "ids": ids})
+    assert all(out[k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_integer_outputs(models):
+    x = np.arange(12, dtype=np.int32).reshape(3, 4)
+    with Engine(models.int_model, workers=1) as eng:
+        assert np.array_equal(eng.infer(x)["y"], x + np.array([1, 2, 3, 4], dtype=np.int32))
+
+
+def test_map_is_ordered_and_bounded(models):
+    xs = [_x(1) for _ in range(60)]
+    with Engine(models.mlp, workers=2) as eng:
+        results = list(eng.map({"x": x} for x in xs))
+        assert eng.stats().accepted == 60
+    assert [r.task_id for r in results] == list(range(60))
+    for x, r in zip(xs, results):
+        assert r.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+def test_describe_reports_dynamic_dims(models):
+    with Engine(models.mlp, workers=1) as eng:
+        d = eng.describe()
+    assert [(s.name, s.dtype, s.shape) for s in d.inputs] == [("x", "<f4", (None, 16))]
+    assert [s.name for s in d.outputs] == ["probs", "logits"]
+    assert d.runtime == "onnxruntime" and d.batchable
+
+
+def test_litert_describe_and_stats(models):
+    with Engine(models.tfl_mlp, workers=2, backend="auto") as eng:
+        d = eng.describe()
+        st = eng.stats()
+    assert d.runtime == "ai-edge-litert" and d.inputs[0].shape == (None, 16)
+    assert all(s.applied == ("xnnpack",) and not s.degraded for s in st.slots)
+
+
+def test_stats_snapshot(models):
+    with Engine(models.mlp, workers=2) as eng:
+        list(eng.map({"x": _x(1)} for _ in range(10)))
+        st = eng.stats()
+    assert st.state == "ACCEPTING" and len(st.slots) == 2
+    assert (st.accepted, st.completed, st.failed, st.cancelled) == (10, 10, 0, 0)
+    assert sum(s.tasks_done for s in st.slots) == 10
+    for s in st.slots:
+        assert s.pid > 0 and s.rss_bytes > 0 and s.runtime == "onnxruntime" and s.runtime_version
+        assert s.requested == ("CPUExecutionProvider",) and s.applied == ("CPUExecutionProvider",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.accepted = 0  # type: ignore[misc]
+
+
+def test_preprocess_and_postprocess_run_in_the_worker(models):
+    x = _x(3)
+    with Engine(models.mlp, workers=1, preprocess=hooks.to_feeds, postprocess=hooks.argmax_post) as eng:
+        out = eng.infer({"x": x, "note": "not an array: pickled"})
+    want = ort_run(models.mlp, {"x": x})["probs"].argmax(axis=-1)
+    assert np.array_equal(out["label"], want) and out["n"] == 3
+
+
+def test_a_pure_preprocessing_pool_without_model(start_method):
+    x = np.arange(6.0).reshape(2, 3)
+    with Engine(None, workers=2, preprocess="tests.hooks:double", start_method=start_method) as eng:
+        outs = [r.outputs for r in eng.map({"x": x + i} for i in range(5))]
+        assert eng.describe().inputs == ()
+    assert all(np.array_equal(o["y"], (x + i) * 2) for i, o in enumerate(outs))
+
+
+def test_worker_sees_read_only_input_views(models):
+    with Engine(None, workers=1, preprocess="tests.test_engine:_mutate") as eng:
+        res = eng.submit({"x": np.ones(3)}).result(timeout=60)
+    assert res.outputs == {"writeable": False}
+
+
+def _mutate(item):
+    return {"writeable": bool(item["x"].flags.writeable)}
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"start_method": "fork"}, ValueError, "fork.*refused"),
+        ({"start_method": "threads"}, ValueError, "start_method"),
+        ({"workers": 0}, ValueError, "workers"),
+        ({"admission": "maybe"}, ValueError, "admission"),
+        ({"backend": "tensorflow"}, ValueError, "backend"),
+        ({"preprocess": lambda x: x}, TypeError, "importable"),
+        ({"preprocess": "tests.hooks"}, ValueError, "module:function"),
+    ],
+)
+def test_bad_settings_fail_at_construction(models, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Engine(models.mlp, **kwargs)
+
+
+def test_missing_and_corrupt_model(models, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Engine(tmp_path / "nope.onnx")
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model at all")
+    with pytest.raises(SessionInitError, match="could not build its session") as info:
+        Engine(bad, workers=2)
+    assert "Traceback" in str(info.value.__cause__)
+
+
+def test_close_is_idempotent_and_submit_after_close_raises(models):
+    eng = Engine(models.mlp, workers=1)
+    eng.close()
+    eng.close()
+    assert eng.state.name == "CLOSED" and "CLOSED" in repr(eng)
+    with pytest.raises(EngineClosed):
+        eng.submit(_x())
+
+
+def test_exception_in_with_block_still_cleans_up(models):
+    with pytest.raises(KeyError), Engine(models.mlp, workers=2) as eng:
+        eng.submit(_x())
+        raise KeyError("boom")
+    assert eng.state.name == "CLOSED"
+
+
+def test_importing_engine_loads_no_runtime():
+    import subprocess
+    import sys
+
+    code = "import sys, engine; from engine import Engine; print('onnxruntime' in sys.modules, 'ai_edge_litert' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_errors_pickle_round_trip():
+    err = InputContractError("input 'x': bad", task_id=3)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is InputContractError and back.task_id == 3 and str(back) == str(err)
+
+
+@pytest.mark.parametrize("model,runner", [("mlp", ort_run), ("tfl_mlp", litert_run)])
+def test_many_tasks_of_varied_sizes_stay_byte_identical(models, model, runner):
+    """Output regions are granted per batch; a stale or small grant must never be written."""
+    path = getattr(models, model)
+    r = np.random.default_rng(1)
+    xs = [r.standard_normal((int(n), 16)).astype(np.float32) for n in r.integers(1, 40, 300)]
+    with Engine(path, workers=2) as eng:
+        results = [f.result(timeout=60) for f in [eng.submit({"x": x}) for x in xs]]
+    for x, res in zip(xs, results):
+        assert res.outputs["probs"].tobytes() == runner(path, {"x": x})["probs"].tobytes()
