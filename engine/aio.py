@@ -1,7 +1,367 @@
-"""asyncio front end of the Engine (placeholder until the async work lands)."""
+"""asyncio front end of the Engine: `await eng.infer_async(x)`, `map_async`, `async with`.
+
+    event-loop thread                      admission lane (1 thread)     supervisor thread
+    submit_async(inputs)
+     A  submit(block_timeout=0)    -- QueueFull, or large inputs, or a backlog in the lane -->
+        (admitted at once: locks           submit(inputs, block_timeout=left)
+         and a small copy only)             waits for room like a sync caller
+     B  Future --add_done_callback--> loop.call_soon_threadsafe --> asyncio future  <== step 9
+     C  the awaiting coroutine is cancelled (timeout scope, client gone, task.cancel()):
+          Future.cancel()    queued: it never runs (the engine drops it from its queue)
+          else eng.cancel()  running: it ends at once with TaskCancelled, its result is never
+                             delivered; run on the cancel lane, the loop does not wait for it
+
+Nothing here waits on the loop thread. The only engine call made on it is an admission that
+cannot wait (`block_timeout=0`); whatever could wait (a full queue, full shared memory, the
+copy of large inputs, the supervisor's reply to a cancel, `close()`) runs on another thread.
+Each engine gets two daemon threads, started on first use: the admission lane (one, so
+callers that had to wait are admitted in arrival order) and the cancel lane.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+
+from engine.errors import QueueFull, TaskCancelled
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.task import Result
+
+T = TypeVar("T")
+INLINE_COPY_BYTES = 1 << 20  # larger inputs are copied into shared memory off the loop thread
+
+
+class _Host(Protocol):
+    """What the async front end needs of an engine (`engine.api.Engine` provides it)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    def submit(
+        self,
+        inputs: Any,
+        *,
+        context: dict[str, Any] | None = ...,
+        deadline: float | None = ...,
+        block_timeout: float | None = ...,
+    ) -> Future[Result]: ...
+
+    def cancel(self, future: Future[Result], *, kill: bool = ...) -> bool: ...
+
+    def close(self, *, cancel_pending: bool = ..., timeout: float | None = ...) -> None: ...
+
 
 class AsyncEngineMixin:
-    """Async methods of `Engine`: infer_async, submit_async, map_async, `async with`."""
+    """Async methods of `Engine`: infer_async, submit_async, map_async, `async with`.
+
+        async with Engine("model.onnx", workers=4) as eng:
+            y = await eng.infer_async({"x": batch})
+            async for res in eng.map_async(items, window=16): ...
+    """
+
+    async def submit_async(
+        self: _Host,
+        inputs: Any,
+        *,
+        context: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        block_timeout: float | None = None,
+    ) -> Result:
+        """Accept one task and await its `Result`; the same arguments and errors as `submit`.
+
+        Cancelling the awaiting coroutine cancels the task: queued, it never runs; running, it
+        ends with TaskCancelled and its result is never delivered."""
+        loop = asyncio.get_running_loop()
+        fut = await _admit(self, loop, inputs, context, deadline, block_timeout)
+        return await _await_task(self, loop, fut)
+
+    async def infer_async(self: _Host, inputs: Any, **kw: Any) -> Any:
+        """`submit_async` and return the outputs (dict name -> array, or what postprocess returned)."""
+        result = await AsyncEngineMixin.submit_async(self, inputs, **kw)
+        return result.outputs
+
+    async def map_async(
+        self: _Host,
+        items: AsyncIterable[Any] | Iterable[Any],
+        *,
+        window: int | None = None,
+        return_exceptions: bool = False,
+        context: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Any]:
+        """Results in submission order, at most `window` tasks accepted and not yet yielded.
+
+        `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
+        consumer) or a plain iterable (its `next()` runs on the loop thread: keep it cheap). A
+        failed task raises at its position, unless `return_exceptions` yields the error. When
+        the consumer stops early (break, cancellation, an error), every task still in flight
+        is cancelled with the receipts of `submit_async`."""
+        cfg = self.config
+        window = window or cfg.queue_capacity + cfg.workers * cfg.inflight_per_slot
+        loop = asyncio.get_running_loop()
+        held: deque[tuple[Future[Result], asyncio.Future[Result]]] = deque()
+        try:
+            async for item in _aiter(items):
+                fut = await _admit(self, loop, item, context, None, None)
+                held.append((fut, _bridge(loop, fut)))
+                if len(held) >= window:
+                    yield await _head(held, return_exceptions)
+            while held:
+                yield await _head(held, return_exceptions)
+        finally:
+            for fut, waiter in held:
+                if waiter.done() and not waiter.cancelled():
+                    waiter.exception()  # retrieved: an error nobody will see is not logged
+                waiter.cancel()
+                _cancel_task(self, fut)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self: _Host, exc_type: Any, *_: Any) -> None:
+        """close() on a thread of its own (it waits for the drain); cancel what is queued when
+        the block raised. Cancelled while closing: the close goes on, the caller moves on."""
+        closing = _spawn(functools.partial(self.close, cancel_pending=exc_type is not None))
+        closing.add_done_callback(lambda _: _stop_lanes(self))
+        await asyncio.wrap_future(closing)
+
+
+# -- admission (A) ------------------------------------------------------------------------------
+
+
+async def _admit(
+    eng: _Host,
+    loop: asyncio.AbstractEventLoop,
+    inputs: Any,
+    context: dict[str, Any] | None,
+    deadline: float | None,
+    block_timeout: float | None,
+) -> Future[Result]:
+    """The engine's Future for `inputs`: accepted on the loop thread when that cannot wait,
+    else on the admission lane (as a sync caller would be), without blocking the loop."""
+    lane = _lanes(eng).admit
+    if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
+        try:
+            return eng.submit(inputs, context=context, deadline=deadline, block_timeout=0)
+        except QueueFull:
+            if block_timeout == 0:
+                raise
+    started = time.monotonic()
+    job = lane.run(_submit_late, eng, inputs, context, deadline, block_timeout, started)
+    try:
+        return await asyncio.wrap_future(job, loop=loop)
+    except asyncio.CancelledError:
+        if not job.cancel():  # already being admitted: cancel what it admits, at once
+            job.add_done_callback(functools.partial(_cancel_admitted, eng))
+        raise
+
+
+def _cancel_admitted(eng: _Host, job: Future[Future[Result]]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        _cancel_task(eng, job.result())
+
+
+def _submit_late(
+    eng: _Host,
+    inputs: Any,
+    context: dict[str, Any] | None,
+    deadline: float | None,
+    block_timeout: float | None,
+    started: float,
+) -> Future[Result]:
+    """On the admission lane: `submit`, with the time already spent waiting for the lane
+    taken off the caller's deadline and block_timeout."""
+    spent = time.monotonic() - started
+    return eng.submit(
+        inputs,
+        context=context,
+        deadline=None if deadline is None else max(deadline - spent, 0.0),
+        block_timeout=None if block_timeout is None else max(block_timeout - spent, 0.0),
+    )
+
+
+def _nbytes(inputs: Any, depth: int = 2) -> int:
+    """Bytes of the arrays (or bytes) in `inputs`, looking two containers deep: a cheap bound
+    on the copy that admission makes on the calling thread."""
+    size = getattr(inputs, "nbytes", None)
+    if isinstance(size, int):
+        return size
+    if isinstance(inputs, bytes | bytearray | memoryview):
+        return len(inputs)
+    if depth and isinstance(inputs, dict):
+        return sum(_nbytes(v, depth - 1) for v in inputs.values())
+    if depth and isinstance(inputs, list | tuple):
+        return sum(_nbytes(v, depth - 1) for v in inputs)
+    return 0
+
+
+# -- waiting and cancelling (B, C) --------------------------------------------------------------
+
+
+def _bridge(loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> asyncio.Future[Result]:
+    """An asyncio future that the engine's Future completes, through call_soon_threadsafe.
+
+    A Future cancelled by someone else (`eng.cancel`, `close`) ends it with TaskCancelled,
+    never with asyncio.CancelledError: that one means "this coroutine was cancelled"."""
+    waiter: asyncio.Future[Result] = loop.create_future()
+
+    def relay(done: Future[Result]) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, waiter, done)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+    fut.add_done_callback(relay)
+    return waiter
+
+
+def _settle(waiter: asyncio.Future[Result], done: Future[Result]) -> None:
+    if waiter.done():
+        return
+    if done.cancelled():
+        task = getattr(done, "slabpool_task", None)
+        task_id = getattr(task, "id", None)
+        waiter.set_exception(TaskCancelled(f"task {task_id}: cancelled while queued", task_id=task_id))
+    elif (exc := done.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(done.result())
+
+
+async def _await_task(eng: _Host, loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> Result:
+    waiter = _bridge(loop, fut)
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        _cancel_task(eng, fut)
+        raise
+
+
+def _cancel_task(eng: _Host, fut: Future[Result]) -> None:
+    """The receipts of `eng.cancel()`, without waiting on the calling thread: a queued task is
+    cancelled here (it never runs); a running one by the cancel lane (never delivered)."""
+    if fut.cancel() or fut.done():
+        return
+    _lanes(eng).cancel.run(eng.cancel, fut)
+
+
+async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result]]], return_exceptions: bool) -> Any:
+    """The oldest task's outcome; it leaves `held` only once it has one (a cancelled wait
+    leaves it there, for the caller to cancel)."""
+    try:
+        result = await held[0][1]
+    except Exception as exc:
+        held.popleft()
+        if return_exceptions:
+            return exc
+        raise
+    held.popleft()
+    return result
+
+
+async def _aiter(items: AsyncIterable[T] | Iterable[T]) -> AsyncIterator[T]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+# -- the threads ----------------------------------------------------------------------------------
+
+
+class _Lane:
+    """One daemon thread that runs jobs in order. It holds no reference to the engine while
+    idle, so an engine dropped without close() is still collected (and stops the lane)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._backlog = 0
+        self.jobs = 0  # jobs ever handed to it
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    @property
+    def backlog(self) -> int:
+        """Jobs queued or running: new admissions queue behind them, in arrival order."""
+        return self._backlog
+
+    def run(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        job: Future[T] = Future()
+        with self._lock:
+            self._backlog += 1
+            self.jobs += 1
+        self._jobs.put((job, functools.partial(fn, *args)))
+        return job
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, call = item
+            try:
+                if job.set_running_or_notify_cancel():
+                    try:
+                        job.set_result(call())
+                    except BaseException as exc:  # noqa: BLE001 - it belongs to the caller
+                        job.set_exception(exc)
+            finally:
+                del item, job, call
+                with self._lock:
+                    self._backlog -= 1
+
+
+class _Lanes:
+    def __init__(self) -> None:
+        self.admit = _Lane("slabpool-aio-admit")
+        self.cancel = _Lane("slabpool-aio-cancel")
+
+    def stop(self) -> None:
+        self.admit.stop()
+        self.cancel.stop()
+
+
+_all_lanes: weakref.WeakKeyDictionary[Any, _Lanes] = weakref.WeakKeyDictionary()
+_lanes_lock = threading.Lock()
+
+
+def _lanes(eng: _Host) -> _Lanes:
+    with _lanes_lock:
+        lanes = _all_lanes.get(eng)
+        if lanes is None:
+            lanes = _all_lanes[eng] = _Lanes()
+            weakref.finalize(eng, lanes.stop)
+        return lanes
+
+
+def _stop_lanes(eng: _Host) -> None:
+    with _lanes_lock:
+        lanes = _all_lanes.pop(eng, None)
+    if lanes is not None:
+        lanes.stop()
+
+
+def _spawn(fn: Callable[[], T]) -> Future[T]:
+    """Run `fn` on a new daemon thread; its Future."""
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - it belongs to the caller
+            fut.set_exception(exc)
+
+    fut.set_running_or_notify_cancel()
+    threading.Thread(target=run, name="slabpool-aio-close", daemon=True).start()
+    return fut

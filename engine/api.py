@@ -50,6 +50,7 @@ class Engine(AsyncEngineMixin):
         if settings.pop("cluster", "local") != "local":
             raise ValueError("cluster must be 'local' or 'ray'")
         fault_injection = settings.pop("_fault_injection", False)
+        self._init_fault: FaultSpec | None = settings.pop("_init_fault", None)  # tests only
         self.config: EngineConfig = resolve(model, fault_injection=fault_injection, **settings)
         cfg = self.config
         self._state = EngineState.ACCEPTING
@@ -103,8 +104,6 @@ class Engine(AsyncEngineMixin):
             log_level=logging.getLogger().getEffectiveLevel(),
             init_fault=self._init_fault,
         )
-
-    _init_fault: FaultSpec | None = None
 
     def _wake(self) -> None:
         self._sup.wake()

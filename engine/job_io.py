@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ import numpy.typing as npt
 Array = npt.NDArray[Any]
 Schema = dict[str, tuple[str, tuple[int, ...]]]  # output name -> (dtype str, row shape)
 INDEX_KEY = "__index__"
+_savez = cast(Callable[..., None], np.savez)  # numpy's stub types **arrays as its own flags
 
 
 class JobError(Exception):
@@ -63,7 +64,7 @@ def open_source(path: Path, *, preprocess: bool, ranks: dict[str, int] | None = 
         raise JobError(f"input not found: {path}")
     try:
         if path.is_dir():
-            return _dir_source(path, preprocess, ranks or {})
+            return _dir_source(path, preprocess, {} if ranks is None else ranks)
         if path.suffix == ".npy":
             return _npy_source(path, preprocess)
         if path.suffix == ".npz":
@@ -130,14 +131,13 @@ def _text_source(path: Path, preprocess: bool) -> Source:
     if not preprocess:
         raise JobError(f"{path.name}: a text or JSONL input needs --preprocess module:function")
     as_json = path.suffix in (".jsonl", ".json", ".ndjson")
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if as_json:
+    numbered = [(n, ln) for n, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+    items: list[Any] = []
+    for n, line in numbered:
         try:
-            items = [json.loads(ln) for ln in lines]
+            items.append(json.loads(line) if as_json else line)
         except json.JSONDecodeError as exc:
-            raise JobError(f"{path}: line {exc.lineno if False else '?'} is not JSON: {exc}") from exc
-    else:
-        items = list(lines)
+            raise JobError(f"{path}: line {n} is not JSON ({exc})") from exc
     return Source(path, len(items), items.__getitem__, _file_fp(path))
 
 
@@ -184,7 +184,7 @@ def blank(schema: Schema, count: int) -> dict[str, Array]:
 # -- atomic files ---------------------------------------------------------------------------------
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write to a temporary file beside `path`, fsync, rename over it, fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -353,7 +353,7 @@ class Store:
             arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
             arrays[INDEX_KEY] = np.asarray(indices, dtype=np.int64)
             path = self.shards / name
-            write_atomic(path, lambda f: np.savez(f, **arrays))
+            write_atomic(path, lambda f: _savez(f, **arrays))
             size, dig = path.stat().st_size, digest(path)
         entry = Entry(name, size, dig, ranges_of([*indices, *(f.index for f in failures)]), tuple(failures))
         with open(self.journal, "a") as j:
@@ -405,7 +405,7 @@ def read_output(output: str | os.PathLike[str]) -> dict[str, Array]:
 def save_output(path: Path, arrays: dict[str, Array]) -> str | None:
     """Write the single-file OUTPUT atomically; return a note when .npy keeps only one output."""
     if path.suffix == ".npz":
-        write_atomic(path, lambda f: np.savez(f, **arrays))
+        write_atomic(path, lambda f: _savez(f, **arrays))
         return None
     first = next(iter(arrays))
     write_atomic(path, lambda f: np.save(f, arrays[first]))

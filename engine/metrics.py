@@ -1,32 +1,47 @@
-"""The engine's own accounting, rendered in the Prometheus text exposition format.
+"""The engine's own accounting, rendered in the Prometheus text exposition format (0.0.4).
+
+    eng.stats() (counters, gauges) --+
+                                     +--> families(eng) --+--> render(eng)       text
+    eng._metrics (histograms) -------+                    +--> register(eng, r)  prometheus_client
 
 Counters and gauges are read from the engine's ledger (never sampled guesses); histograms are
-observed by the supervisor as each task ends. `register(engine, registry)` exposes the same
-through prometheus_client when it is installed.
+observed by the supervisor as each task completes with a result. Both outputs are built from
+one list of `Family` records, so they cannot disagree. prometheus_client is optional: only
+`register` imports it.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
+import weakref
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from engine.states import SlotState
 
 if TYPE_CHECKING:
     from engine.api import Engine
+    from engine.stats import EngineStats
     from engine.task import Timings
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PREFIX = "slabpool"
 
 
 class Histogram:
+    """Counts per bucket (not cumulative; the last one is +Inf), sum and count."""
+
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
+        self.counts[bisect.bisect_left(BUCKETS, value)] += 1  # bound b holds values <= b
         self.sum += value
         self.count += 1
 
@@ -41,9 +56,22 @@ class Histogram:
                 return BUCKETS[i] if i < len(BUCKETS) else float("inf")
         return float("inf")
 
+    def copy(self) -> Histogram:
+        h = Histogram()
+        h.counts, h.sum, h.count = list(self.counts), self.sum, self.count
+        return h
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= it), ending with (inf, count)."""
+        out, seen = [], 0
+        for bound, c in zip((*BUCKETS, math.inf), self.counts, strict=True):
+            seen += c
+            out.append((bound, seen))
+        return out
+
 
 class Metrics:
-    """What the supervisor observes; thread-safe to read."""
+    """What the supervisor observes; thread-safe to read through `snapshot()`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -63,52 +91,192 @@ class Metrics:
             self.restarts[slot] += 1
 
     def histograms(self) -> dict[str, Histogram]:
+        """The live histograms by metric name (read them through `snapshot()` instead)."""
         return {
-            "slabpool_queue_wait_seconds": self.queue_wait,
-            "slabpool_run_seconds": self.run_time,
-            "slabpool_end_to_end_seconds": self.end_to_end,
+            f"{PREFIX}_queue_wait_seconds": self.queue_wait,
+            f"{PREFIX}_run_seconds": self.run_time,
+            f"{PREFIX}_end_to_end_seconds": self.end_to_end,
         }
+
+    def snapshot(self) -> dict[str, Histogram]:
+        """Copies taken under the lock: each histogram's buckets, sum and count agree."""
+        with self._lock:
+            return {name: h.copy() for name, h in self.histograms().items()}
+
+
+_HISTOGRAM_HELP = {
+    f"{PREFIX}_queue_wait_seconds": "Seconds from acceptance to dispatch, per completed task.",
+    f"{PREFIX}_run_seconds": "Seconds in the worker (preprocess, run, postprocess), per completed task.",
+    f"{PREFIX}_end_to_end_seconds": "Seconds from acceptance to result, per completed task.",
+}
+
+_COUNTERS = (
+    ("accepted", "Tasks accepted."),
+    ("completed", "Tasks that ended with a result."),
+    ("failed", "Tasks that ended with an error."),
+    ("cancelled", "Tasks cancelled (by the caller, by close, or superseded)."),
+    ("replayed", "Task replays after a worker died."),
+    ("quarantined", "Tasks quarantined as poison."),
+    ("timeouts", "Tasks that hit their deadline or task_timeout."),
+)
+
+
+# -- one model of what is exposed ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family. `name` is the family name: a counter's samples add `_total`."""
+
+    name: str
+    kind: str  # "counter", "gauge", "histogram"
+    help: str
+    samples: tuple[Sample, ...] = ()
+    histogram: Histogram | None = None
+
+
+def families(engine: Engine) -> list[Family]:
+    """Every family, from one `stats()` snapshot and one histogram snapshot."""
+    st = engine.stats()
+    out = [_family(f"tasks_{name}", "counter", help_, [((), getattr(st, name))]) for name, help_ in _COUNTERS]
+    out += _slot_families(st)
+    out += [
+        _family("queue_depth", "gauge", "Tasks accepted and not yet running.", [((), st.queued)]),
+        _family("busy_slots", "gauge", "Slots holding work.", [((), sum(s.state == "BUSY" for s in st.slots))]),
+        _family("shm_leased_bytes", "gauge", "Shared memory leased, by arena.",
+                [((("arena", "inputs"),), st.shm_inputs_used), ((("arena", "outputs"),), st.shm_outputs_used)]),
+        _family("shm_capacity_bytes", "gauge", "Shared memory capacity, by arena.",
+                [((("arena", "inputs"),), st.shm_capacity), ((("arena", "outputs"),), st.shm_capacity)]),
+    ]
+    for name, h in engine._metrics.snapshot().items():
+        out.append(Family(name, "histogram", _HISTOGRAM_HELP.get(name, "Seconds per task."), histogram=h))
+    return out
+
+
+def _slot_families(st: EngineStats) -> list[Family]:
+    def per_slot(attr: str) -> list[tuple[tuple[tuple[str, str], ...], float]]:
+        return [((("slot", str(s.slot)),), getattr(s, attr)) for s in st.slots]
+
+    return [
+        _family("worker_restarts", "counter", "Worker restarts per slot (crashes, timeouts, kills, failed starts).",
+                per_slot("restarts")),
+        _family("worker_rss_bytes", "gauge", "Resident memory of each slot's worker process.", per_slot("rss_bytes")),
+        _family("slot_info", "gauge", "1 per slot, labelled with its runtime and the version of its model.",
+                [((("slot", str(s.slot)), ("runtime", s.runtime), ("model_version", s.model_version)), 1)
+                 for s in st.slots]),
+        _family("slots", "gauge", "Slots by lifecycle state.",
+                [((("state", state.name),), sum(s.state == state.name for s in st.slots)) for state in SlotState]),
+    ]
+
+
+def _family(name: str, kind: str, help_: str, samples: list[tuple[tuple[tuple[str, str], ...], float]]) -> Family:
+    return Family(f"{PREFIX}_{name}", kind, help_, tuple(Sample(labels, value) for labels, value in samples))
+
+
+# -- the text format ------------------------------------------------------------------------------
 
 
 def render(engine: Engine) -> str:
     """The Prometheus text format (version 0.0.4) for one engine."""
-    st = engine.stats()
-    out: list[str] = []
+    lines: list[str] = []
+    for fam in families(engine):
+        lines.extend(_render_family(fam))
+    return "\n".join(lines) + "\n"
 
-    def family(name: str, kind: str, help_: str, samples: list[tuple[str, Any]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(f"{name}{labels} {value}" for labels, value in samples)
 
-    for field, help_ in (
-        ("accepted", "Tasks accepted."),
-        ("completed", "Tasks that ended with a result."),
-        ("failed", "Tasks that ended with an error."),
-        ("cancelled", "Tasks cancelled (by the caller, by close, or superseded)."),
-        ("replayed", "Task replays after a worker died."),
-        ("quarantined", "Tasks quarantined as poison."),
-        ("timeouts", "Tasks that hit their deadline or task_timeout."),
-    ):
-        family(f"slabpool_tasks_{field}_total", "counter", help_, [("", getattr(st, field))])
-    family("slabpool_worker_restarts_total", "counter", "Worker restarts per slot.",
-           [(f'{{slot="{s.slot}"}}', s.restarts) for s in st.slots])
-    family("slabpool_queue_depth", "gauge", "Tasks accepted and not yet running.", [("", st.queued)])
-    family("slabpool_busy_slots", "gauge", "Slots holding work.", [("", sum(s.state == "BUSY" for s in st.slots))])
-    family("slabpool_shm_leased_bytes", "gauge", "Shared memory leased, by arena.",
-           [('{arena="inputs"}', st.shm_inputs_used), ('{arena="outputs"}', st.shm_outputs_used)])
-    family("slabpool_shm_capacity_bytes", "gauge", "Shared memory capacity, by arena.",
-           [('{arena="inputs"}', st.shm_capacity), ('{arena="outputs"}', st.shm_capacity)])
-    family("slabpool_worker_rss_bytes", "gauge", "Resident memory per slot.",
-           [(f'{{slot="{s.slot}"}}', s.rss_bytes) for s in st.slots])
-    for name, h in engine._metrics.histograms().items():
-        samples, cum = [], 0
-        for bound, c in zip((*BUCKETS, float("inf")), h.counts):
-            cum += c
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            samples.append((f'_bucket{{le="{le}"}}', cum))
-        out.append(f"# HELP {name} Seconds per task.")
-        out.append(f"# TYPE {name} histogram")
-        out.extend(f"{name}{suffix} {v}" for suffix, v in samples)
-        out.append(f"{name}_sum {h.sum}")
-        out.append(f"{name}_count {h.count}")
-    return "\n".join(out) + "\n"
+def _render_family(fam: Family) -> Iterator[str]:
+    exposed = f"{fam.name}_total" if fam.kind == "counter" else fam.name
+    yield f"# HELP {exposed} {_escape_help(fam.help)}"
+    yield f"# TYPE {exposed} {fam.kind}"
+    for s in fam.samples:
+        yield f"{exposed}{_labels(s.labels)} {_number(s.value)}"
+    if fam.histogram is not None:
+        for bound, seen in fam.histogram.cumulative():
+            yield f"{fam.name}_bucket{_labels((('le', _number(bound)),))} {seen}"
+        yield f"{fam.name}_sum {_number(fam.histogram.sum)}"
+        yield f"{fam.name}_count {fam.histogram.count}"
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels) + "}"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    """A sample value as Prometheus reads it: integers as such, +Inf/-Inf/NaN spelled out."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+# -- prometheus_client ------------------------------------------------------------------------------
+
+
+class EngineCollector:
+    """A prometheus_client collector that reads one engine's accounting at each scrape. It
+    holds the engine weakly: a dropped engine exposes nothing (and is not kept alive)."""
+
+    def __init__(self, engine: Engine, labels: Mapping[str, str] | None = None) -> None:
+        self._engine = weakref.ref(engine)
+        self._labels = dict(labels or {})
+
+    def collect(self) -> Iterator[Any]:
+        engine = self._engine()
+        if engine is None:
+            return
+        for fam in families(engine):
+            yield self._convert(fam)
+
+    def describe(self) -> Iterator[Any]:
+        """The families, for the registry's name check (registering reads the engine once)."""
+        return self.collect()
+
+    def _convert(self, fam: Family) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        const_names, const_values = list(self._labels), list(self._labels.values())
+        if fam.histogram is not None:
+            h = fam.histogram
+            out: Any = HistogramMetricFamily(fam.name, fam.help, labels=const_names)
+            buckets = [(_number(bound), seen) for bound, seen in h.cumulative()]
+            out.add_metric(const_values, buckets, h.sum)
+            return out
+        names = const_names + ([k for k, _ in fam.samples[0].labels] if fam.samples else [])
+        cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
+        out = cls(fam.name, fam.help, labels=names)
+        for s in fam.samples:
+            out.add_metric(const_values + [v for _, v in s.labels], s.value)
+        return out
+
+
+def register(engine: Engine, registry: Any = None, *, labels: Mapping[str, str] | None = None) -> EngineCollector:
+    """Expose `engine` through prometheus_client: the same families as `render`, read from the
+    engine's accounting at each scrape. `registry` defaults to prometheus_client's global one;
+    `labels` (e.g. {"engine": "resnet"}) are added to every sample, so that several engines can
+    share a registry. Undo with `registry.unregister(collector)`."""
+    if registry is None:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    collector = EngineCollector(engine, labels)
+    registry.register(collector)
+    return collector

@@ -13,11 +13,11 @@ from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import DupFd  # type: ignore[attr-defined]
 from typing import Any
 
 from engine.states import SlotState
 from engine.task import Batch
+from shm.mapping import PassFd
 from workers.main import WorkerBoot, main
 from workers.protocol import SessionInfo
 
@@ -56,7 +56,7 @@ class Slot:
         self.incarnation += 1
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=main,
-            args=(boot, child, DupFd(in_fd), DupFd(out_fd)),
+            args=(boot, child, PassFd(in_fd), PassFd(out_fd)),
             name=f"slabpool-worker-{self.index}",
             daemon=True,
         )

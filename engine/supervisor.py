@@ -329,8 +329,9 @@ class Supervisor:
             slot.restarts += 1
             self.metrics.restart(slot.index)
             log.warning(
-                "worker of slot %d (pid %d) died with %s holding %d batch(es)%s",
+                "worker of slot %d (pid %d) died with %s holding %d batch(es)%s.%s",
                 slot.index, pid, describe_exit(code), len(held), f" ({expected})" if expected else "",
+                "" if expected else crash_hint(code),
             )
         replays = self._settle_held(slot, held, expected, Crash(slot.index, pid, code))
         if replays:
@@ -377,11 +378,12 @@ class Supervisor:
 
     def _quarantine(self, task: Task) -> None:
         crashes = ", ".join(f"slot {c.slot} pid {c.pid} {c.signal}" for c in task.crashes)
-        with self.queue.lock:
-            self.queue.counters.quarantined += 1
-        self._finish(task, error=E.PoisonTask(
+        self._count("quarantined")
+        error = E.PoisonTask(
             f"task {task.id} was in hand when {len(task.crashes)} workers died ({crashes}); "
-            "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes)))
+            "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes))
+        error.__cause__ = _crashed(task.crashes[-1])
+        self._finish(task, error=error)
 
     def _on_startup_death(self, slot: Slot, code: int | None) -> None:
         slot.startup_failures += 1
@@ -665,6 +667,12 @@ class Supervisor:
 
     def close_resources(self) -> None:
         self._close_wakeup()
+
+
+def _crashed(c: Crash) -> E.WorkerCrashed:
+    return E.WorkerCrashed(
+        f"the worker of slot {c.slot} (pid {c.pid}) died with {c.signal}." + crash_hint(c.exitcode),
+        slot=c.slot, pid=c.pid, exitcode=c.exitcode)
 
 
 def _cancelled(task: Task, why: str, reason: str = "cancelled") -> E.TaskCancelled:

@@ -9,8 +9,29 @@ from __future__ import annotations
 
 import mmap
 import os
+from multiprocessing import reduction
+from typing import Any
 
 import numpy as np
+
+
+class PassFd:
+    """An fd that travels to a spawn/forkserver child as the child's own fd.
+
+    `DupFd` must be called while the child is being started (as CPython's heap.Arena does in
+    its reducer): called earlier, it parks a dup in the resource-sharer thread, which leaks
+    the memfd if the child dies before collecting it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received_fd, (reduction.DupFd(self.fd),))  # type: ignore[attr-defined]
+
+
+def _received_fd(dup: Any) -> int:
+    return int(dup.detach())
 
 
 class Mapping:

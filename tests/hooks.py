@@ -51,3 +51,13 @@ def kill_marked(item: Any) -> Any:
         except FileExistsError:
             pass
     return {"x": np.asarray(item["x"], dtype=np.float32)}
+
+
+def slow_preprocess(item: Any) -> Any:
+    """A preprocess that spins in Python for item["seconds"] (a hung-task stand-in)."""
+    import time
+
+    end = time.monotonic() + float(item.get("seconds", 0))
+    while time.monotonic() < end:
+        pass
+    return {"x": np.asarray(item["x"], dtype=np.float32)}

@@ -72,13 +72,13 @@ class WorkerBoot:
     init_fault: FaultSpec | None = None
 
 
-def main(boot: WorkerBoot, conn: Connection, in_fd: Any, out_fd: Any) -> None:
+def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     """Process entry point (a module-level function: spawn and forkserver import it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable()
     _watch_parent()
-    inputs = Mapping(in_fd.detach(), boot.in_capacity, writable=False)
-    outputs = Mapping(out_fd.detach(), boot.out_capacity, writable=True)
+    inputs = Mapping(in_fd, boot.in_capacity, writable=False)
+    outputs = Mapping(out_fd, boot.out_capacity, writable=True)
     outbox = Outbox(conn)
     install_pipe_logging(outbox, boot.slot, boot.log_level)
     try:

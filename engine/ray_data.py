@@ -1,0 +1,79 @@
+"""Ray Data adapter: our worker session as the callable class of `Dataset.map_batches`.
+
+    from ray.data import ActorPoolStrategy
+    from engine.ray_data import SlabpoolPredictor
+
+    out = ds.map_batches(
+        SlabpoolPredictor,
+        fn_constructor_kwargs={"model": "model.onnx", "postprocess": "mypkg.hooks:label"},
+        compute=ActorPoolStrategy(size=2), num_cpus=0.5, batch_size=256, batch_format="numpy",
+    )
+
+One actor of the pool builds one session (`workers.session.load_session`), once. Each batch
+(dict column -> array, N rows) is one task: `preprocess(batch)` -> feeds (default: the columns
+named like the model's inputs), the input contract is checked, `session.run`, then
+`postprocess(outputs, batch)` -> the output columns (default: the other columns of the batch,
+then the model's outputs). Fault tolerance is Ray Data's own (block-level retries, at-least-once
+execution): this adapter has no ledger, no PoisonTask, no exactly-once replay; use
+`Engine(..., cluster="ray")` for those.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine import context as task_context
+from engine.config import resolve
+from workers import contract
+from workers.session import ModelSession, load_session
+
+
+class SlabpoolPredictor:
+    """`ds.map_batches(SlabpoolPredictor, fn_constructor_kwargs={"model": path, ...}, ...)`.
+
+    Settings are validated by `engine.config.resolve`, as for `Engine`: `backend`, `providers`,
+    `delegate`, `delegate_options`, `allow_fallback`, `threads_per_worker`, `preprocess`,
+    `postprocess`, `initializer`, `initargs` (hooks as callables or 'module:function').
+    `context` is bound while each batch runs (`engine.context.current()`).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        context: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        cfg = resolve(model, workers=1, **settings)
+        spec = cfg.session_spec()
+        assert spec is not None  # resolve() refuses model=None without preprocess; a model is required here
+        if cfg.initializer is not None:
+            cfg.initializer(*cfg.initargs)
+        self._session: ModelSession = load_session(spec)
+        self._preprocess: Callable[..., Any] | None = cfg.preprocess
+        self._postprocess: Callable[..., Any] | None = cfg.postprocess
+        self._context = context
+        self.info = self._session.info
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        specs = self.info.inputs
+        with task_context.bind(self._context):
+            if self._preprocess is not None:
+                feeds = self._preprocess(batch)
+            else:
+                feeds = {s.name: batch[s.name] for s in specs if s.name in batch}
+            feeds = contract.check(contract.normalize(feeds, specs), specs)
+            outputs = self._session.run({n: np.ascontiguousarray(a) for n, a in feeds.items()})
+            if self._postprocess is not None:
+                return dict(self._postprocess(outputs, batch))
+        names = {s.name for s in specs}
+        return {**{k: v for k, v in batch.items() if k not in names}, **outputs}
+
+    def __del__(self) -> None:
+        session = getattr(self, "_session", None)
+        if session is not None:
+            session.close()

@@ -1,0 +1,263 @@
+"""Crash isolation: a worker may die at any instant; the slot alone is rebuilt, its accepted
+tasks replay exactly once in acceptance order, poison is quarantined.
+
+Every fault is triggered by the task itself at a chosen stage (workers.faults), never by
+sleeping and hoping. Timeouts here only catch deadlocks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine import Engine
+from engine.errors import PoisonTask, SessionInitError, TaskTimeout, WorkerCrashed
+from tests.reference import ort_run
+from workers.protocol import FaultSpec
+
+X = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+
+# (stage, action, engine settings) -> the task still completes, on its second attempt
+CRASH_CASES = [
+    ("preprocess", "sigsegv", {}),
+    ("preprocess", "exit0", {}),  # exit code 0 while holding a task is a death too
+    ("run", "sigkill", {}),
+    ("run", "exit3", {}),
+    ("run", "sigbus", {}),
+    ("postprocess", "sigkill", {"postprocess": "tests.hooks:argmax_post"}),
+    ("write_outputs", "sigkill", {}),
+    ("write_outputs", "exit0", {}),
+]
+
+
+@pytest.mark.parametrize("stage,action,settings", CRASH_CASES, ids=[f"{s}-{a}" for s, a, _ in CRASH_CASES])
+def test_a_crash_replays_the_task_and_rebuilds_only_that_slot(models, tmp_path, start_method, stage, action, settings):
+    with Engine(models.mlp, workers=2, start_method=start_method, _fault_injection=True, **settings) as eng:
+        want = eng.infer(X)
+        before = {s.slot: s.pid for s in eng.stats().slots}
+        fault = FaultSpec(stage, action, str(tmp_path / "fired"))
+        futs = [eng.submit(X) for _ in range(3)] + [eng.submit(X, _fault=fault)] + [eng.submit(X) for _ in range(3)]
+        results = [f.result(timeout=60) for f in futs]
+        st = eng.stats()
+    assert results[3].attempts == 2
+    for r in results:
+        for k, v in want.items():
+            assert r.outputs[k].tobytes() == v.tobytes() if isinstance(v, np.ndarray) else r.outputs[k] == v
+    assert st.restarts == 1 and st.completed == 8 and st.failed == 0 and st.replayed >= 1
+    dead = next(s for s in st.slots if s.restarts == 1)
+    other = st.slots[1 - dead.slot]
+    assert dead.pid != before[dead.slot] and dead.state in ("STARTING", "READY", "BUSY")  # rebuilt in place
+    assert other.pid == before[other.slot] and other.restarts == 0  # untouched
+
+
+def test_poison_task_is_quarantined_and_its_slot_mates_are_not(models):
+    """One worker: the poison runs, the innocent waits in the pipe; only the running one
+    counts an attempt against itself."""
+    poison = FaultSpec("run", "sigkill")
+    with Engine(models.mlp, workers=1, max_attempts=3, _fault_injection=True) as eng:
+        bad = eng.submit(X, _fault=poison)
+        good = eng.submit(X)
+        with pytest.raises(PoisonTask) as info:
+            bad.result(timeout=60)
+        res = good.result(timeout=60)
+        after = eng.infer(X)  # the engine keeps serving
+        st = eng.stats()
+    err = info.value
+    assert err.task_id == 0 and len(err.crashes) == 3
+    assert all(c.signal == "SIGKILL(-9)" for c in err.crashes)
+    assert isinstance(err.__cause__, WorkerCrashed) and err.__cause__.signal == "SIGKILL(-9)"
+    assert res.attempts >= 2 and after["probs"].shape == (2, 8)
+    assert (st.quarantined, st.failed, st.restarts) == (1, 1, 3)
+    assert st.accepted == st.completed + st.failed + st.cancelled
+
+
+def test_sigbus_is_reported_as_a_shared_memory_problem(models):
+    with Engine(models.mlp, workers=1, max_attempts=1, _fault_injection=True) as eng:
+        with pytest.raises(PoisonTask) as info:
+            eng.submit(X, _fault=FaultSpec("run", "sigbus")).result(timeout=60)
+    cause = info.value.__cause__
+    assert isinstance(cause, WorkerCrashed) and cause.signal == "SIGBUS(-7)"
+    assert "shared-memory" in str(cause) and "--shm-size" in str(cause)
+
+
+def test_replay_is_deterministic_with_random_augmentation(models, tmp_path):
+    """Each task's seed comes from (engine seed, task id) and is set before preprocess."""
+    items = [{"x": X} for _ in range(4)]
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:augment", seed=7) as eng:
+        clean = [r.outputs["probs"] for r in eng.map(items)]
+    fault = FaultSpec("run", "sigkill", str(tmp_path / "once"))
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:augment", seed=7, _fault_injection=True) as eng:
+        futs = [eng.submit(it, _fault=fault if i == 2 else None) for i, it in enumerate(items)]
+        replayed = [f.result(timeout=60) for f in futs]
+    assert replayed[2].attempts == 2
+    assert [r.outputs["probs"].tobytes() for r in replayed] == [c.tobytes() for c in clean]
+    assert clean[0].tobytes() != clean[1].tobytes()  # the augmentation really is random per task
+
+
+def test_hung_task_in_python_kills_its_slot_and_others_replay(models):
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:slow_preprocess", task_timeout=0.5) as eng:
+        pid = eng.stats().slots[0].pid
+        hung = eng.submit({"x": X, "seconds": 3600})
+        after = eng.submit({"x": X})
+        with pytest.raises(TaskTimeout, match="task_timeout"):
+            hung.result(timeout=60)
+        res = after.result(timeout=60)
+        st = eng.stats()
+    assert res.pid != pid and res.attempts == 2
+    assert st.timeouts == 1 and st.failed == 1 and st.completed == 1
+
+
+def test_long_onnx_run_is_stopped_cleanly_without_killing_the_worker(models):
+    """ONNX Runtime's RunOptions.terminate stops the run; the slot survives."""
+    big = np.random.default_rng(0).standard_normal((4096, 512)).astype(np.float32)
+    with Engine(models.slow, workers=1, task_timeout=0.05) as eng:
+        pid = eng.stats().slots[0].pid
+        with pytest.raises(TaskTimeout, match="terminated"):
+            eng.submit({"x": big}).result(timeout=60)
+        small = eng.submit({"x": big[:1]}).result(timeout=60)
+        st = eng.stats()
+    assert small.pid == pid and st.restarts == 0 and st.timeouts == 1
+
+
+def test_death_during_session_start_up_at_construction_fails_fast(models, tmp_path, start_method):
+    t0 = time.monotonic()
+    with pytest.raises(SessionInitError, match="SIGSEGV"):
+        Engine(models.mlp, workers=2, start_method=start_method, _init_fault=FaultSpec("init", "sigsegv"))
+    assert time.monotonic() - t0 < 30
+
+
+def test_death_during_a_respawn_start_up_backs_off_and_recovers(models, tmp_path):
+    with Engine(models.mlp, workers=1, _fault_injection=True) as eng:
+        eng._init_fault = FaultSpec("init", "exit3", str(tmp_path / "init-once"))
+        res = eng.submit(X, _fault=FaultSpec("run", "sigkill", str(tmp_path / "run-once"))).result(timeout=60)
+        st = eng.stats()
+    assert res.attempts == 2 and st.restarts == 2  # the crash, then the failed start
+
+
+def test_repeated_start_up_deaths_fail_the_engine_with_a_clear_error(models):
+    with Engine(models.mlp, workers=1, _fault_injection=True) as eng:
+        eng._init_fault = FaultSpec("init", "exit3")
+        fut = eng.submit(X, _fault=FaultSpec("run", "sigkill"))
+        with pytest.raises(SessionInitError, match="failed to start 5 times"):
+            fut.result(timeout=60)
+        with pytest.raises(SessionInitError):
+            eng.submit(X)
+
+
+def test_recycling_by_task_count_and_memory_loses_nothing(models):
+    xs = [X + i for i in range(12)]
+    for settings in ({"max_tasks_per_worker": 3}, {"worker_memory_limit": 1}):
+        with Engine(models.mlp, workers=2, **settings) as eng:
+            results = list(eng.map(xs))
+            st = eng.stats()
+        assert [r.attempts for r in results] == [1] * 12
+        assert len({r.pid for r in results}) >= 4 and st.restarts == 0 and st.completed == 12
+        for x, r in zip(xs, results):
+            assert r.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+@pytest.mark.slow
+def test_chaos_random_sigkills_every_task_ends_exactly_once(models, start_method):
+    r = np.random.default_rng(3)
+    xs = [r.standard_normal((int(n), 16)).astype(np.float32) for n in r.integers(1, 8, 2000)]
+    kills: list[int] = []
+    done = threading.Event()
+    with Engine(models.mlp, workers=2, max_attempts=1000, start_method=start_method) as eng:
+
+        def killer() -> None:
+            rnd = random.Random(5)
+            while not done.is_set() and len(kills) < 25:
+                busy = [s.pid for s in eng.stats().slots if s.state == "BUSY" and s.pid]
+                if busy:
+                    pid = rnd.choice(busy)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append(pid)
+                    except ProcessLookupError:
+                        pass
+                done.wait(0.05)
+
+        t = threading.Thread(target=killer)
+        t.start()
+        completions = []
+        futs = [eng.submit({"x": x}) for x in xs]
+        for f in futs:
+            f.add_done_callback(completions.append)
+        results = [f.result(timeout=120) for f in futs]
+        done.set()
+        t.join()
+        st = eng.stats()
+    assert len(kills) >= 20 and st.restarts >= 20
+    assert len(completions) == len(futs) and st.completed == len(xs) and st.failed == 0
+    for x, res in zip(xs, results):
+        assert res.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+SUPERVISOR = textwrap.dedent(
+    """
+    import sys, time
+    from engine import Engine
+    if __name__ == "__main__":
+        eng = Engine(sys.argv[1], workers=2, shm_backend=sys.argv[2])
+        eng.infer(__import__("numpy").zeros((1, 16), "float32"))
+        print(" ".join(str(s.pid) for s in eng.stats().slots), eng._instance, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_supervisor_sigkill_leaves_no_worker_and_no_shared_memory(models, tmp_path, backend):
+    script = tmp_path / "supervisor.py"
+    script.write_text(SUPERVISOR)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, str(script), str(models.mlp), backend], stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline().split()
+    pids, instance = [int(p) for p in line[:-1]], line[-1]
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "workers outlived their supervisor"
+    assert not _memfds_of(instance), "a memfd of the dead instance is still mapped somewhere"
+    leftovers = [n for n in os.listdir("/dev/shm") if instance in n]
+    if backend == "posix":  # only the instance lock can remain; the next start sweeps it
+        assert leftovers == [f"slabpool-{instance}.lock"]
+        Engine(None, workers=1, preprocess="tests.hooks:double", shm_backend="posix").close()
+    assert not [n for n in os.listdir("/dev/shm") if instance in n]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _memfds_of(instance: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if instance in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    found.append(pid)
+            with open(f"/proc/{pid}/maps") as f:
+                if instance in f.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
