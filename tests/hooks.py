@@ -61,3 +61,21 @@ def slow_preprocess(item: Any) -> Any:
     while time.monotonic() < end:
         pass
     return {"x": np.asarray(item["x"], dtype=np.float32)}
+
+
+def gated(item: Any) -> Any:
+    """Record that the task ran (item["log"]), then wait until the file item["gate"] exists.
+
+    Holds a worker deterministically: the test opens the gate when it is ready."""
+    import time
+
+    if item.get("log"):
+        with open(item["log"], "a") as f:
+            f.write(f"{item.get('id', '?')}\n")
+    gate = item.get("gate")
+    deadline = time.monotonic() + 120  # only a broken test reaches it
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if item.get("seconds"):
+        return slow_preprocess(item)
+    return {"x": np.asarray(item["x"], dtype=np.float32)}
