@@ -8,6 +8,7 @@ owns that task's ending.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 
 from engine.errors import EngineClosed, QueueFull, TaskCancelled
 from engine.task import Batch, Task
+
+
+MAX_GROUP = 32
 
 
 @dataclass
@@ -41,6 +45,7 @@ class TaskQueue:
         self._reserved = 0
         self._next_id = 0
         self._closed: BaseException | None = None
+        self._waiting = 0  # callers blocked for a place (notify only when someone waits)
         self.counters = Counters()
         self.lock = self._cond  # the counters' lock too
 
@@ -63,14 +68,18 @@ class TaskQueue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise QueueFull(f"queue still full ({self.capacity} tasks) after {timeout} s")
-                self._cond.wait(left)
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
             self._reserved += 1
         return superseded
 
     def unreserve(self) -> None:
         with self._cond:
             self._reserved -= 1
-            self._cond.notify_all()
+            self._notify()
 
     def accept(self, make: Callable[[int], Task]) -> Task:
         """Turn a reservation into an accepted task; its id is the acceptance sequence number."""
@@ -89,13 +98,17 @@ class TaskQueue:
         with self._cond:
             found = self._pending.pop(task.id, None) is not None
             if found:
-                self._cond.notify_all()
+                self._notify()
             return found
 
     def close(self, error: BaseException) -> None:
         with self._cond:
             if self._closed is None:
                 self._closed = error
+            self._notify()
+
+    def _notify(self) -> None:
+        if self._waiting:
             self._cond.notify_all()
 
     def _raise_if_closed(self) -> None:
@@ -107,33 +120,41 @@ class TaskQueue:
 
     # -- the supervisor's side ----------------------------------------------------------------
 
-    def take(self, max_items: int, wait_s: float, now: float) -> Batch | float | None:
+    def take(
+        self, max_items: int, wait_s: float, now: float, spread: int = 1, max_tasks: int = MAX_GROUP
+    ) -> Batch | float | None:
         """The next batch to dispatch; or the time to look again (a batch still filling); or
-        None when nothing waits. Pure policy over the queue, under its lock."""
+        None when nothing waits. Pure policy over the queue, under its lock.
+
+        Without stacking (max_items 1), a deep queue is still sent in groups of up to
+        MAX_GROUP tasks, its fair share over `spread` open slots: one message each way for the
+        group instead of one per task. The worker runs them one by one; nothing else changes."""
         with self._cond:
             if self._replays:
+                self._notify()  # replays count against capacity too: a place just freed up
                 return self._replays.pop(0)
             if not self._pending:
                 return None
             first = next(iter(self._pending.values()))
             if max_items <= 1 or first.items == 0:
-                return self._pop_batch([first], stack=False)
+                n = max(1, min(max_tasks, len(self._pending) // max(spread, 1)))
+                return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
             mates, count = [], 0
             for task in self._pending.values():
                 if task.shape_key != first.shape_key or count + task.items > max_items:
                     continue
                 mates.append(task)
                 count += task.items
-                if count >= max_items:
+                if count >= max_items or len(mates) >= max_tasks:
                     break
-            if count < max_items and now < first.accepted_at + wait_s:
+            if count < max_items and len(mates) < max_tasks and now < first.accepted_at + wait_s:
                 return first.accepted_at + wait_s  # wait a little for more batch mates
             return self._pop_batch(mates, stack=len(mates) > 1)
 
     def _pop_batch(self, tasks: list[Task], stack: bool) -> Batch:
         for t in tasks:
             del self._pending[t.id]
-        self._cond.notify_all()
+        self._notify()
         return Batch(tasks, stack)
 
     def push_replays(self, batches: list[Batch]) -> None:
@@ -150,7 +171,7 @@ class TaskQueue:
             for t in gone:
                 del self._pending[t.id]
             if gone:
-                self._cond.notify_all()
+                self._notify()
             return gone
 
     def next_deadline(self) -> float | None:
@@ -163,7 +184,7 @@ class TaskQueue:
             tasks = list(self._pending.values()) + [t for b in self._replays for t in b.tasks]
             self._pending.clear()
             self._replays.clear()
-            self._cond.notify_all()
+            self._notify()
             return tasks
 
     def __len__(self) -> int:

@@ -102,6 +102,7 @@ class Engine(AsyncEngineMixin):
             task_timeout=cfg.task_timeout,
             report_rss=cfg.worker_memory_limit is not None,
             log_level=logging.getLogger().getEffectiveLevel(),
+            status_offset=self._sup.status_offset(slot),
             init_fault=self._init_fault,
         )
 

@@ -98,7 +98,8 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
         raise ValueError(f"admission must be 'block', 'reject' or 'drop_oldest', got {kw['admission']!r}")
     for name in ("preprocess", "postprocess", "initializer"):
         kw[name] = _importable(name, kw.get(name))
-    kw["queue_capacity"] = kw.get("queue_capacity") or 2 * workers
+    # deep enough that a busy engine can send tasks to a worker in groups (engine.admission)
+    kw["queue_capacity"] = kw.get("queue_capacity") or 16 * workers
     for name in ("queue_capacity", "max_attempts", "threads_per_worker", "max_batch_size", "inflight_per_slot"):
         if name in kw:
             _positive(name, kw[name])

@@ -19,7 +19,7 @@ from engine.states import SlotState
 from engine.task import Batch
 from shm.mapping import PassFd
 from workers.main import WorkerBoot, main
-from workers.protocol import SessionInfo
+from workers.protocol import SessionInfo, encode
 
 
 class Slot:
@@ -32,7 +32,8 @@ class Slot:
         self.pid = 0
         self.info: SessionInfo | None = None
         self.batches: deque[Batch] = deque()
-        self.tasks_done = 0
+        self.tasks_done = 0  # over every incarnation
+        self.incarnation_done = 0  # by the current process (max_tasks_per_worker)
         self.restarts = 0
         self.startup_failures = 0
         self.init_error: Any = None  # the InitFailed error of the current incarnation
@@ -64,6 +65,7 @@ class Slot:
         child.close()
         self.process, self.conn, self.pid = proc, parent, proc.pid or 0
         self.batches.clear()
+        self.incarnation_done = 0
         self.init_error = None
         self.kill_reason = self.kill_escalate_at = self.respawn_at = None
         self.retiring = False
@@ -75,7 +77,7 @@ class Slot:
         if self.conn is None:
             return False
         try:
-            self.conn.send(msg)
+            self.conn.send_bytes(encode(msg))
             return True
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             return False

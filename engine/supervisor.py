@@ -14,6 +14,8 @@ import os
 import threading
 import time
 from collections import deque
+
+import numpy as np
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from engine import errors as E
-from engine.admission import TaskQueue
+from engine.admission import MAX_GROUP, TaskQueue
 from engine.config import EngineConfig
 from engine.errors import Crash, crash_hint, describe_exit
 from engine.states import SlotState, TaskState
@@ -43,9 +45,11 @@ from workers.protocol import (
     SessionInfo,
     Shutdown,
     TaskSpec,
+    decode,
 )
 
 log = logging.getLogger("engine")
+IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
 MAX_STARTUP_FAILURES = 5
 
 
@@ -73,12 +77,18 @@ class Supervisor:
         self.cfg, self.queue, self.inputs, self.outputs = cfg, queue, inputs, outputs
         self.ctx, self.boot, self.metrics = ctx, boot, metrics
         self.slots = [Slot(i) for i in range(cfg.workers)]
+        # one cache line per slot, at the start of the output arena: the id of the task its
+        # worker is in (IDLE, or STACKED for a whole stacked batch), read after a death
+        self._status_lease = outputs.lease(64 * cfg.workers)
+        self.status = outputs.array(self._status_lease.offset, np.dtype(np.int64), (cfg.workers, 8))
+        self.status[:, 0] = IDLE
         self.info: SessionInfo | None = None
         self.failure: BaseException | None = None
         self.closing: str | None = None  # None, "drain", "cancel"
         self._commands: deque[Command] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
         self._completions: list[tuple[Future[Result], Any, BaseException | None]] = []
         self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
         self._thread = threading.Thread(target=self._run, name="slabpool-supervisor", daemon=True)
@@ -109,6 +119,7 @@ class Supervisor:
         self._thread.start()
 
     def _abort_startup(self, error: BaseException) -> None:
+        del self.status
         for slot in self.slots:
             if slot.process is not None:
                 slot.kill("startup failed", grace=0.0)
@@ -128,12 +139,19 @@ class Supervisor:
             + crash_hint(code)
         )
 
+    def status_offset(self, slot: int) -> int:
+        return self._status_lease.offset + 64 * slot
+
     def _spawn(self, slot: Slot) -> None:
+        self.status[slot.index, 0] = IDLE
         slot.spawn(self.ctx, self.boot(slot.index, slot.incarnation + 1), self.inputs.fd, self.outputs.fd)
 
     # -- the caller's side ---------------------------------------------------------------------
 
     def wake(self) -> None:
+        if self._wake_pending:
+            return  # a byte is already on its way: one wake-up serves every caller before it
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
@@ -177,6 +195,7 @@ class Supervisor:
         finally:
             self._shutdown_slots()
             self._flush()
+            del self.status  # the last view into an arena: they can be unmapped now
             self.on_stopped()
             self._stopped.set()
 
@@ -191,6 +210,8 @@ class Supervisor:
         ready = set(wait(waitables, timeout=self._next_timer(now)))
         if self._wake_r in ready:
             os.read(self._wake_r, 4096)
+            self._wake_pending = False  # after the read: a wake() from here on writes again,
+            # and one that saw True before it is served below (its work is already queued)
         while self._commands:
             self._apply(self._commands.popleft())
         for slot in self.slots:
@@ -217,7 +238,7 @@ class Supervisor:
         assert conn is not None
         try:
             while conn.poll():
-                self._on_message(slot, conn.recv())
+                self._on_message(slot, decode(conn.recv_bytes()))
         except (EOFError, OSError):
             slot.conn = None  # the worker is gone; its sentinel will fire
             conn.close()
@@ -250,6 +271,7 @@ class Supervisor:
         now = time.monotonic()
         slot.last_done_at = now
         slot.tasks_done += len(batch.tasks)
+        slot.incarnation_done += len(batch.tasks)
         slot.rss = msg.rss or slot.rss
         used = 0
         for outcome in msg.outcomes:
@@ -291,10 +313,10 @@ class Supervisor:
         if batch.out_lease is not None:
             self.outputs.release(batch.out_lease)
             batch.out_lease = None
-        if msg.nbytes > self.outputs.capacity:
+        if msg.nbytes > self.outputs.capacity // 2:  # the half that regions sent ahead never hold
             slot.send(OutputGrant(batch.id, -1, 0, (
-                f"outputs of {msg.nbytes} bytes exceed the output arena ({self.outputs.capacity} bytes); "
-                "raise shm_capacity")))
+                f"outputs of {msg.nbytes} bytes exceed the output arena's limit per batch "
+                f"({self.outputs.capacity // 2} bytes, half of shm_capacity); raise shm_capacity")))
             return
         lease = self.outputs.try_lease(msg.nbytes)
         if lease is None:  # full: the grant waits for the next release (no lease is held here)
@@ -312,6 +334,7 @@ class Supervisor:
         was_starting = slot.state is SlotState.STARTING
         pid = slot.pid
         code = slot.reap()
+        running_id = int(self.status[slot.index, 0])  # no writer is left: read what it was doing
         for b in slot.batches:  # a: the process is reaped: no stale writer can exist
             if b.out_lease is not None:
                 self.outputs.release(b.out_lease)
@@ -333,7 +356,7 @@ class Supervisor:
                 slot.index, pid, describe_exit(code), len(held), f" ({expected})" if expected else "",
                 "" if expected else crash_hint(code),
             )
-        replays = self._settle_held(slot, held, expected, Crash(slot.index, pid, code))
+        replays = self._settle_held(held, expected, Crash(slot.index, pid, code), running_id)
         if replays:
             self.queue.push_replays(replays)  # c: in acceptance order, ahead of new work
         if self.failure is None and (self.closing is None or len(self.queue) > 0 or replays):
@@ -341,40 +364,64 @@ class Supervisor:
         elif self.closing is not None:
             slot.move(SlotState.STOPPED)
 
-    def _settle_held(self, slot: Slot, held: list[Batch], expected: str | None, crash: Crash) -> list[Batch]:
-        """Decide each held batch's fate: replay (same composition), split, poison, timeout."""
+    def _settle_held(self, held: list[Batch], expected: str | None, crash: Crash, running_id: int) -> list[Batch]:
+        """Decide the fate of a dead slot's batches. Only what was running is charged: the
+        task named by the slot's status word, or a whole stacked batch. A stacked batch first
+        replays with the same composition (byte-identical), and is bisected if it kills again."""
         replays: list[Batch] = []
         for i, batch in enumerate(held):
-            running = i == 0 and batch.started_at is not None
             live = [t for t in batch.tasks if t.state is TaskState.RUNNING]
             for t in batch.tasks:
                 t.in_batch = None
-            if running and expected == "timeout":
-                for t in live:
+            head = i == 0 and batch.started_at is not None
+            if head and batch.stack and running_id == STACKED:
+                culprits = live
+            elif head:
+                culprits = [t for t in live if t.id == running_id] or (live if len(live) == 1 else [])
+            else:
+                culprits = []
+            if culprits and expected == "timeout":
+                for t in culprits:
                     self._finish(t, error=E.TaskTimeout(
-                        f"task {t.id} ran past task_timeout={self.cfg.task_timeout} s; its slot was "
-                        "rebuilt", task_id=t.id))
-                live = []
-            elif running and expected is None:  # d: a crash counts against what was running
+                        f"task {t.id} ran past task_timeout={self.cfg.task_timeout} s; its slot was rebuilt",
+                        task_id=t.id))
+                live = [t for t in live if t not in culprits]
+            elif culprits and expected is None:  # d: a crash counts against what was running
                 batch.crashes += 1
-                for t in live:
+                for t in culprits:
                     t.crashes.append(crash)
-                if len(live) == 1 and len(live[0].crashes) >= self.cfg.max_attempts:
-                    self._quarantine(live[0])
-                    live = []
-                elif len(live) > 1 and batch.crashes >= 2:
-                    half = len(live) // 2  # the same batch killed twice: bisect to find the poison
-                    replays += [Batch(live[:half], stack=half > 1), Batch(live[half:], stack=len(live) - half > 1)]
-                    live = []
+                if len(culprits) == 1 and len(culprits[0].crashes) >= self.cfg.max_attempts:
+                    self._quarantine(culprits[0])
+                    live = [t for t in live if t is not culprits[0]]
+            elif head and expected is None and len(live) > 1:
+                batch.crashes += 1  # died between tasks of a group: nobody to charge
             for t in batch.tasks:
                 if t.state.is_terminal and t.lease is not None:
                     self._release_input(t)
-            if live:
-                replays.append(Batch(live, batch.stack and len(live) > 1, crashes=batch.crashes if len(live) == len(batch.tasks) else 0))
+            replays += self._regroup(batch, live, culprits)
         for b in replays:
             for t in b.tasks:
                 t.move(TaskState.QUEUED)
         return replays
+
+    @staticmethod
+    def _regroup(batch: Batch, live: list[Task], culprits: list[Task]) -> list[Batch]:
+        if not live:
+            return []
+        if batch.stack:
+            if batch.crashes >= 2 and len(live) > 1:  # the same batch killed twice: bisect
+                half = len(live) // 2
+                return [Batch(live[:half], stack=half > 1), Batch(live[half:], stack=len(live) - half > 1)]
+            same = len(live) == len(batch.tasks)
+            return [Batch(live, stack=len(live) > 1, crashes=batch.crashes if same else 0)]
+        if culprits:  # a group: the culprit alone (a second death then isolates it)
+            c = culprits[0]
+            parts = ([t for t in live if t.id < c.id], [c] if c in live else [], [t for t in live if t.id > c.id])
+            return [Batch(p, stack=False) for p in parts if p]
+        if batch.crashes >= 2 and len(live) > 1:  # died between tasks twice: bisect
+            half = len(live) // 2
+            return [Batch(live[:half], stack=False), Batch(live[half:], stack=False)]
+        return [Batch(live, stack=False, crashes=batch.crashes)]
 
     def _quarantine(self, task: Task) -> None:
         crashes = ", ".join(f"slot {c.slot} pid {c.pid} {c.signal}" for c in task.crashes)
@@ -414,7 +461,8 @@ class Supervisor:
         if head.started_at is None:
             return None
         grace = min(2.0, self.cfg.task_timeout) if slot.info and slot.info.runtime == "onnxruntime" else 0.0
-        return head.started_at + self.cfg.task_timeout + grace
+        runs = 1 if head.stack else len(head.tasks)  # a group runs its tasks one after another
+        return head.started_at + self.cfg.task_timeout * runs + grace
 
     def _timers(self, now: float) -> None:
         for task in self.queue.expire(now):
@@ -442,13 +490,28 @@ class Supervisor:
             if not open_slots:
                 return
             slot = min(open_slots, key=lambda s: len(s.batches))  # idle slots first
-            got = self.queue.take(self.cfg.max_batch_size, wait_s, now)
+            budget = self._task_budget(slot)
+            if budget == 0:  # recycled after what it holds: no more work for this incarnation
+                slot.retiring = True
+                self._maybe_retire(slot)
+                continue
+            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, len(open_slots), budget)
             if got is None:
                 return
             if isinstance(got, float):
                 self._batch_ready_at = got
                 return
             self._send_batch(slot, got, now)
+
+    def _task_budget(self, slot: Slot) -> int:
+        """How many tasks the next batch of this incarnation may hold: max_tasks_per_worker
+        caps the total; worker_memory_limit is checked after every task, so one at a time."""
+        if self.cfg.worker_memory_limit is not None:
+            return 1 if not slot.retiring else 0
+        if self.cfg.max_tasks_per_worker is None:
+            return MAX_GROUP
+        held = sum(len(b.tasks) for b in slot.batches)
+        return max(0, min(MAX_GROUP, self.cfg.max_tasks_per_worker - slot.incarnation_done - held))
 
     def _send_batch(self, slot: Slot, batch: Batch, now: float) -> None:
         specs = []
@@ -464,22 +527,27 @@ class Supervisor:
             task.dispatched_at = task.dispatched_at or now
             task.in_batch = batch
             fault = task.fault if self.cfg.fault_injection else None
-            specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.context, fault))
+            specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.context, fault, task.deadline))
         batch.tasks = [t for t in batch.tasks if t.state is TaskState.RUNNING]
         if not batch.tasks:
             return
         slot.batches.append(batch)
         if slot.state is SlotState.READY:
             slot.move(SlotState.BUSY)
-        out = self._lease_predicted(batch) if len(slot.batches) == 1 else None
+        out = self._lease_predicted(batch, ahead=len(slot.batches) > 1)
         if len(slot.batches) == 1:
             batch.started_at = now
         msg = RunBatch(batch.id, tuple(specs), batch.stack, out.offset if out else -1, out.nbytes if out else 0)
         slot.send(msg)  # step 4: on a broken pipe the sentinel fires next and the batch replays
 
-    def _lease_predicted(self, batch: Batch) -> Any:
+    def _lease_predicted(self, batch: Batch, *, ahead: bool = False) -> Any:
+        """An output region sized like the last outputs of a batch of the same shapes, so the
+        worker never has to ask. Batches sent ahead of the running one may hold at most half
+        the arena: the other half is always there for a running batch's NeedOutput."""
         want = self._predicted.get(_batch_key(batch))
         if not want:
+            return None
+        if ahead and self.outputs.used + want > self.outputs.capacity // 2:
             return None
         lease = self.outputs.try_lease(want)
         batch.out_lease = lease
@@ -520,7 +588,7 @@ class Supervisor:
     def _maybe_retire(self, slot: Slot) -> None:
         cfg = self.cfg
         if not slot.retiring:
-            too_many = cfg.max_tasks_per_worker is not None and slot.tasks_done >= cfg.max_tasks_per_worker
+            too_many = cfg.max_tasks_per_worker is not None and slot.incarnation_done >= cfg.max_tasks_per_worker
             too_big = cfg.worker_memory_limit is not None and slot.rss > cfg.worker_memory_limit
             if too_many or too_big:
                 slot.retiring = True
@@ -682,6 +750,8 @@ def _cancelled(task: Task, why: str, reason: str = "cancelled") -> E.TaskCancell
 def _task_error(task: Task, err: RemoteError) -> E.TaskError:
     if err.kind == "contract":
         exc: E.TaskError = E.InputContractError(f"task {task.id}: {err.message}", task_id=task.id)
+    elif err.kind == "deadline":
+        exc = E.TaskTimeout(f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id)
     elif err.kind == "timeout":
         exc = E.TaskTimeout(f"task {task.id} ran past task_timeout and was terminated: {err.message}", task_id=task.id)
     else:

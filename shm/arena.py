@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -135,7 +136,7 @@ class Arena:
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A writeable numpy view of `[offset, offset + nbytes)`; the caller holds the lease."""
-        count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        count = math.prod(shape) * dtype.itemsize
         return self._bytes[offset : offset + count].view(dtype).reshape(shape)
 
     def _commit(self, upto: int) -> None:

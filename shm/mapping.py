@@ -7,6 +7,7 @@ registers the segment with the resource tracker, which can unlink it under the o
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from multiprocessing import reduction
@@ -45,5 +46,5 @@ class Mapping:
         self.writable = writable
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        count = math.prod(shape) * dtype.itemsize
         return self._bytes[offset : offset + count].view(dtype).reshape(shape)

@@ -170,31 +170,45 @@ def test_chaos_random_sigkills_every_task_ends_exactly_once(models, start_method
     r = np.random.default_rng(3)
     xs = [r.standard_normal((int(n), 16)).astype(np.float32) for n in r.integers(1, 8, 2000)]
     kills: list[int] = []
+    due = threading.Semaphore(0)  # released every 80 completions: kills keep pace with the work
     done = threading.Event()
     with Engine(models.mlp, workers=2, max_attempts=1000, start_method=start_method) as eng:
 
         def killer() -> None:
             rnd = random.Random(5)
-            while not done.is_set() and len(kills) < 25:
-                busy = [s.pid for s in eng.stats().slots if s.state == "BUSY" and s.pid]
-                if busy:
-                    pid = rnd.choice(busy)
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        kills.append(pid)
-                    except ProcessLookupError:
-                        pass
-                done.wait(0.05)
+            while not done.is_set():
+                if not due.acquire(timeout=0.1):
+                    continue
+                while not done.is_set():
+                    busy = [s.pid for s in eng.stats().slots if s.state == "BUSY" and s.pid]
+                    if busy:
+                        pid = rnd.choice(busy)
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                            kills.append(pid)
+                            break
+                        except ProcessLookupError:
+                            pass
+                    time.sleep(0.001)
 
-        t = threading.Thread(target=killer)
+        t = threading.Thread(target=killer, daemon=True)
         t.start()
-        completions = []
-        futs = [eng.submit({"x": x}) for x in xs]
-        for f in futs:
-            f.add_done_callback(completions.append)
-        results = [f.result(timeout=120) for f in futs]
-        done.set()
-        t.join()
+        completions: list = []
+
+        def completed(f) -> None:
+            completions.append(f)
+            if len(completions) % 80 == 0:
+                due.release()
+
+        try:
+            futs = []
+            for x in xs:
+                futs.append(eng.submit({"x": x}))
+                futs[-1].add_done_callback(completed)
+            results = [f.result(timeout=120) for f in futs]
+        finally:
+            done.set()
+            t.join()
         st = eng.stats()
     assert len(kills) >= 20 and st.restarts >= 20
     assert len(completions) == len(futs) and st.completed == len(xs) and st.failed == 0

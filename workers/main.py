@@ -46,6 +46,7 @@ from workers.protocol import (
     RunBatch,
     Shutdown,
     TaskSpec,
+    decode,
 )
 from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
 from workers.worklog import Outbox, install_pipe_logging
@@ -69,7 +70,10 @@ class WorkerBoot:
     task_timeout: float | None
     report_rss: bool
     log_level: int
+    status_offset: int = -1  # this slot's status word in the output arena (see the supervisor)
     init_fault: FaultSpec | None = None
+
+IDLE, STACKED = -1, -2
 
 
 def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
@@ -119,11 +123,13 @@ class Worker:
         self.boot, self.conn, self.outbox = boot, conn, outbox
         self.inputs, self.outputs, self.session = inputs, outputs, session
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
+        # the task in hand, for the supervisor to read if this process dies
+        self.status = outputs.array(boot.status_offset, np.dtype(np.int64), (1,))
 
     def loop(self) -> None:
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else self.conn.recv()
+                msg = self.pending.popleft() if self.pending else decode(self.conn.recv_bytes())
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
@@ -132,6 +138,7 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
                     err = remote_error(exc, "run")
                     done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)
+                self.status[0] = IDLE
                 self.outbox.send(done)
             elif isinstance(msg, Shutdown):
                 return
@@ -160,7 +167,10 @@ class Worker:
 
     def _prepare(self, t: TaskSpec) -> Any:
         # step 5: views of the task's inputs (read-only: the mapping is PROT_READ)
-        _seed(t.seed)  # before preprocess, so a replay draws the same random numbers
+        if t.deadline is not None and time.monotonic() > t.deadline:
+            raise DeadlinePassed(f"task {t.task_id} waited past its deadline behind other work; not started")
+        if self.boot.preprocess is not None or self.boot.postprocess is not None:
+            _seed(t.seed)  # before preprocess, so a replay draws the same random numbers
         item = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
         if self.boot.preprocess is not None:
@@ -190,6 +200,7 @@ class Worker:
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
         assert self.session is not None
+        self.status[0] = STACKED
         for t in ready:
             faults.inject(t.fault, "run")
         names = [s.name for s in self.session.info.inputs]
@@ -212,6 +223,7 @@ class Worker:
 
     def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
         """Run one stage of one task with its context bound; an error becomes a RemoteError."""
+        self.status[0] = t.task_id
         with context.bind(t.context):
             try:
                 return thunk()
@@ -219,6 +231,8 @@ class Worker:
                 err = remote_error(exc, "contract")
             except RunTimeout as exc:
                 err = remote_error(exc, "timeout")
+            except DeadlinePassed as exc:
+                err = remote_error(exc, "deadline")
             except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
                 err = remote_error(exc, "run")
         log.info("task failed in %s: %s", stage, err.type_name, extra={"task_id": t.task_id})
@@ -252,6 +266,7 @@ class Worker:
             if err is not None:
                 outcomes.append(Outcome(t.task_id, None, err))
                 continue
+            self.status[0] = t.task_id
             faults.inject(t.fault, "write_outputs")
             outcomes.append(Outcome(t.task_id, packing.write(skeleton, arrays, base, self.outputs.array)))
             base += size
@@ -261,18 +276,22 @@ class Worker:
         """A region of at least `nbytes` for this batch. The grant may already wait in the pipe
         (sent when the batch became its slot's head); else ask. Smaller grants are stale."""
         while self.conn.poll():
-            self.pending.append(self.conn.recv())
+            self.pending.append(decode(self.conn.recv_bytes()))
         for msg in [m for m in self.pending if isinstance(m, OutputGrant)]:
             self.pending.remove(msg)
             if msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
                 return msg.offset, msg.error
         self.outbox.send(NeedOutput(batch_id, nbytes))
         while True:
-            msg = self.conn.recv()
+            msg = decode(self.conn.recv_bytes())
             if not isinstance(msg, OutputGrant):
                 self.pending.append(msg)
             elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
                 return msg.offset, msg.error
+
+
+class DeadlinePassed(Exception):
+    """The task reached its deadline before it started (it waited in this worker's pipe)."""
 
 
 def remote_error(exc: BaseException, kind: Any) -> RemoteError:

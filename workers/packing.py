@@ -9,6 +9,7 @@ Object arrays hold pointers, not data, and are refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,7 @@ def region_size(packed: Packed) -> int:
     """Bytes a Packed structure occupies in its region (as laid out by `layout`)."""
     total = 0
     for ref in packed.arrays:
-        total = align_up(total + np.dtype(ref.dtype).itemsize * int(np.prod(ref.shape, dtype=np.int64)))
+        total = align_up(total + np.dtype(ref.dtype).itemsize * math.prod(ref.shape))
     return total
 
 

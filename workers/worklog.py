@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine import context
-from workers.protocol import LogRecord
+from workers.protocol import LogRecord, encode
 
 _FIELDS = ("task_id", "attempt", "stage", "error")
 _CONTEXT_FIELDS = ("tenant", "request_id")
@@ -28,8 +28,9 @@ class Outbox:
         self._lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
+        data = encode(msg)
         with self._lock:
-            self._conn.send(msg)
+            self._conn.send_bytes(data)
 
 
 class PipeHandler(logging.Handler):
