@@ -18,7 +18,8 @@ from engine.errors import EngineClosed, QueueFull, TaskCancelled
 from engine.task import Batch, Task
 
 
-MAX_GROUP = 32
+MAX_GROUP = 32  # tasks in one group (one message each way)
+MIN_GROUP = 8  # queued tasks per open slot before grouping starts: a light load goes task by task
 
 
 @dataclass
@@ -126,9 +127,11 @@ class TaskQueue:
         """The next batch to dispatch; or the time to look again (a batch still filling); or
         None when nothing waits. Pure policy over the queue, under its lock.
 
-        Without stacking (max_items 1), a deep queue is still sent in groups of up to
-        MAX_GROUP tasks, its fair share over `spread` open slots: one message each way for the
-        group instead of one per task. The worker runs them one by one; nothing else changes."""
+        Without stacking (max_items 1), a deep queue (MIN_GROUP or more tasks per open slot) is
+        sent in groups of up to MAX_GROUP tasks, its fair share over `spread` open slots: one
+        message each way for the group instead of one per task. The worker runs them one by
+        one. A task in a group counts as running (Future.cancel() is refused; eng.cancel()
+        still drops its result), and its result arrives with the group's."""
         with self._cond:
             if self._replays:
                 self._notify()  # replays count against capacity too: a place just freed up
@@ -137,7 +140,8 @@ class TaskQueue:
                 return None
             first = next(iter(self._pending.values()))
             if max_items <= 1 or first.items == 0:
-                n = max(1, min(max_tasks, len(self._pending) // max(spread, 1)))
+                share = len(self._pending) // max(spread, 1)
+                n = min(max_tasks, share) if share >= MIN_GROUP else 1
                 return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
             mates, count = [], 0
             for task in self._pending.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import threading
 import time
 from collections import deque
@@ -50,6 +51,7 @@ from workers.protocol import (
 
 log = logging.getLogger("engine")
 IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
+GROUP_TARGET_S = 0.002  # a group of tiny tasks runs about this long
 MAX_STARTUP_FAILURES = 5
 
 
@@ -89,8 +91,12 @@ class Supervisor:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
+        self._selector = selectors.DefaultSelector()
+        self._watched: dict[int, tuple[Any, ...]] = {}
+        self._watch_dirty = True  # set whenever a pipe or a process comes or goes
         self._completions: list[tuple[Future[Result], Any, BaseException | None]] = []
         self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
+        self._task_s: float | None = None  # mean run time per task (EWMA), sizes groups
         self._thread = threading.Thread(target=self._run, name="slabpool-supervisor", daemon=True)
         self._stopped = threading.Event()
         self.on_stopped: Callable[[], None] = self.close_resources
@@ -143,6 +149,7 @@ class Supervisor:
         return self._status_lease.offset + 64 * slot
 
     def _spawn(self, slot: Slot) -> None:
+        self._watch_dirty = True
         self.status[slot.index, 0] = IDLE
         slot.spawn(self.ctx, self.boot(slot.index, slot.incarnation + 1), self.inputs.fd, self.outputs.fd)
 
@@ -201,28 +208,47 @@ class Supervisor:
 
     def _step(self) -> None:
         now = time.monotonic()
-        waitables: list[Any] = [self._wake_r]
-        for s in self.slots:
-            if s.conn is not None:
-                waitables.append(s.conn)
-            if s.process is not None:
-                waitables.append(s.process.sentinel)
-        ready = set(wait(waitables, timeout=self._next_timer(now)))
-        if self._wake_r in ready:
+        if self._watch_dirty:
+            self._sync_watch()
+        events = self._selector.select(self._next_timer(now))
+        ready = {key.data for key, _ in events}
+        if ("wake", None, None) in ready:
             os.read(self._wake_r, 4096)
             self._wake_pending = False  # after the read: a wake() from here on writes again,
             # and one that saw True before it is served below (its work is already queued)
         while self._commands:
             self._apply(self._commands.popleft())
         for slot in self.slots:
-            if slot.conn is not None and slot.conn in ready:
+            if slot.conn is not None and ("conn", slot, slot.conn) in ready:
                 self._drain(slot)
-            if slot.process is not None and slot.process.sentinel in ready:
+            if slot.process is not None and ("exit", slot, slot.process) in ready:
                 self._on_death(slot)
         now = time.monotonic()
         self._timers(now)
         self._dispatch(now)
         self._flush()
+
+    def _sync_watch(self) -> None:
+        """Bring the persistent selector in line with the live pipes and sentinels. Only after
+        a spawn, a death or a closed pipe: a fresh poll set per step cost a third of the loop."""
+        want: dict[int, tuple[Any, ...]] = {self._wake_r: ("wake", None, None)}
+        for s in self.slots:
+            if s.conn is not None:
+                want[s.conn.fileno()] = ("conn", s, s.conn)
+            if s.process is not None:
+                want[s.process.sentinel] = ("exit", s, s.process)
+        for fd, data in list(self._watched.items()):
+            if want.get(fd) is not data and want.get(fd) != data:
+                try:
+                    self._selector.unregister(fd)
+                except (KeyError, ValueError, OSError):
+                    pass
+                del self._watched[fd]
+        for fd, data in want.items():
+            if fd not in self._watched:
+                self._selector.register(fd, selectors.EVENT_READ, data)
+                self._watched[fd] = data
+        self._watch_dirty = False
 
     def _finished(self) -> bool:
         if self.failure is not None:
@@ -241,6 +267,7 @@ class Supervisor:
                 self._on_message(slot, decode(conn.recv_bytes()))
         except (EOFError, OSError):
             slot.conn = None  # the worker is gone; its sentinel will fire
+            self._forget(conn.fileno())
             conn.close()
 
     def _on_message(self, slot: Slot, msg: Any) -> None:
@@ -273,6 +300,8 @@ class Supervisor:
         slot.tasks_done += len(batch.tasks)
         slot.incarnation_done += len(batch.tasks)
         slot.rss = msg.rss or slot.rss
+        per_task = msg.run_s / max(len(batch.tasks), 1)
+        self._task_s = per_task if self._task_s is None else 0.9 * self._task_s + 0.1 * per_task
         used = 0
         for outcome in msg.outcomes:
             task = next(t for t in batch.tasks if t.id == outcome.task_id)
@@ -300,7 +329,6 @@ class Supervisor:
             run=run_s,
             total=now - task.accepted_at,
         )
-        self.metrics.observe(timings)
         return Result(task.id, outputs, slot.model_version, slot.index, slot.pid, task.attempts, timings, task.context)
 
     def _on_need_output(self, slot: Slot, msg: NeedOutput) -> None:
@@ -333,6 +361,7 @@ class Supervisor:
         expected = slot.kill_reason
         was_starting = slot.state is SlotState.STARTING
         pid = slot.pid
+        self._forget_slot(slot)
         code = slot.reap()
         running_id = int(self.status[slot.index, 0])  # no writer is left: read what it was doing
         for b in slot.batches:  # a: the process is reaped: no stale writer can exist
@@ -495,13 +524,24 @@ class Supervisor:
                 slot.retiring = True
                 self._maybe_retire(slot)
                 continue
-            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, len(open_slots), budget)
+            live = sum(s.can_take for s in self.slots)  # the queue is shared by every slot, not
+            # only those open right now: a group sized for one open slot would starve the rest
+            budget = min(budget, self._group_limit())
+            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, live, budget)
             if got is None:
                 return
             if isinstance(got, float):
                 self._batch_ready_at = got
                 return
             self._send_batch(slot, got, now)
+
+    def _group_limit(self) -> int:
+        """Tasks per group: as many as run in about GROUP_TARGET_S (the measured mean run
+        time per task). Grouping saves ~100 us of messages per task: worth it for tiny tasks,
+        pointless (and unfair to the other slots) for tasks of milliseconds."""
+        if self._task_s is None:
+            return 1
+        return max(1, min(MAX_GROUP, int(GROUP_TARGET_S / max(self._task_s, 1e-6))))
 
     def _task_budget(self, slot: Slot) -> int:
         """How many tasks the next batch of this incarnation may hold: max_tasks_per_worker
@@ -657,6 +697,8 @@ class Supervisor:
             new, counter = TaskState.FAILED, "failed"
         task.move(new)
         self._count(counter)
+        if result is not None:
+            self.metrics.observe(result.timings)  # only what is really delivered
         if isinstance(error, E.TaskTimeout):
             self._count("timeouts")
         if task.in_batch is None:
@@ -714,6 +756,7 @@ class Supervisor:
     def _on_death_final(self, slot: Slot) -> None:
         if slot.conn is not None:
             self._drain(slot)
+        self._forget_slot(slot)
         slot.reap()
         for b in slot.batches:
             if b.out_lease is not None:
@@ -726,7 +769,23 @@ class Supervisor:
         slot.batches.clear()
         slot.state = SlotState.STOPPED
 
+    def _forget(self, fd: int) -> None:
+        """Unwatch an fd before it is closed (its number may be reused at once)."""
+        if self._watched.pop(fd, None) is not None:
+            try:
+                self._selector.unregister(fd)
+            except (KeyError, ValueError, OSError):
+                pass
+        self._watch_dirty = True
+
+    def _forget_slot(self, slot: Slot) -> None:
+        if slot.conn is not None:
+            self._forget(slot.conn.fileno())
+        if slot.process is not None:
+            self._forget(slot.process.sentinel)
+
     def _close_wakeup(self) -> None:
+        self._selector.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -49,7 +49,7 @@ from workers.protocol import (
     decode,
 )
 from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
-from workers.worklog import Outbox, install_pipe_logging
+from workers.worklog import Outbox, install_pipe_logging, task_fields
 
 log = logging.getLogger("workers")
 
@@ -224,19 +224,23 @@ class Worker:
     def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
         """Run one stage of one task with its context bound; an error becomes a RemoteError."""
         self.status[0] = t.task_id
-        with context.bind(t.context):
-            try:
-                return thunk()
-            except InputContractError as exc:
-                err = remote_error(exc, "contract")
-            except RunTimeout as exc:
-                err = remote_error(exc, "timeout")
-            except DeadlinePassed as exc:
-                err = remote_error(exc, "deadline")
-            except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-                err = remote_error(exc, "run")
-        log.info("task failed in %s: %s", stage, err.type_name, extra={"task_id": t.task_id})
-        return err
+        token = task_fields.set({"task_id": t.task_id, "attempt": t.attempt, "stage": stage})
+        try:
+            with context.bind(t.context):
+                try:
+                    return thunk()
+                except InputContractError as exc:
+                    err = remote_error(exc, "contract")
+                except RunTimeout as exc:
+                    err = remote_error(exc, "timeout")
+                except DeadlinePassed as exc:
+                    err = remote_error(exc, "deadline")
+                except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
+                    err = remote_error(exc, "run")
+                log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
+                return err
+        finally:
+            task_fields.reset(token)
 
     # -- step 7: outputs into shared memory ----------------------------------------------------
 

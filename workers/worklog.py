@@ -7,6 +7,7 @@ configures logging once, in the main process.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -18,6 +19,9 @@ from workers.protocol import LogRecord, encode
 
 _FIELDS = ("task_id", "attempt", "stage", "error")
 _CONTEXT_FIELDS = ("tenant", "request_id")
+# the task, attempt and stage in hand: every record logged meanwhile carries them,
+# including records from the user's own hooks
+task_fields: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("slabpool_task_fields", default={})
 
 
 class Outbox:
@@ -42,6 +46,7 @@ class PipeHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             fields = dict(self.base)
+            fields.update(task_fields.get())
             fields.update((k, getattr(record, k)) for k in _FIELDS if hasattr(record, k))
             ctx = context.current()
             fields.update((k, ctx[k]) for k in _CONTEXT_FIELDS if k in ctx)
