@@ -149,15 +149,22 @@ class Progress:
         self.stream = stream or sys.stderr
         self.total, self.initial, self.log_every = total, initial, log_every
         self.start = self.last_line = time.monotonic()
+        self.tty = self.stream.isatty()
         self.bar: Any = None
-        if self.stream.isatty():
+
+    def begin(self) -> None:
+        """The engine is ready: rates count from now."""
+        self.start = self.last_line = time.monotonic()
+        if self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, unit="item", file=self.stream, dynamic_ncols=True,
-                            desc="slabpool")
+            self.bar = tqdm(total=self.total, initial=self.initial, unit="item", file=self.stream,
+                            dynamic_ncols=True, desc="slabpool")
 
     def update(self, settled: int, failed: int, restarts: int) -> None:
-        if self.bar is not None:
+        if self.tty:
+            if self.bar is None:
+                return
             self.bar.update(settled - self.bar.n)
             self.bar.set_postfix(restarts=restarts, failed=failed, refresh=False)
         elif time.monotonic() - self.last_line >= self.log_every:
@@ -216,11 +223,19 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
     ranks: dict[str, int] = {}
     source = open_source(spec.input, preprocess=spec.preprocess is not None, ranks=ranks)  # step 1
     store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite)
+    try:
+        return _run_on(spec, source, store, t0, ranks, stream)
+    finally:
+        store.close()
+
+
+def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, ranks: dict[str, int],
+            stream: TextIO | None) -> JobOutcome:
     settled_before = store.settled()
     todo = [i for i in range(source.count) if i not in settled_before]
     progress = Progress(source.count, len(settled_before), spec.log_every, stream)
     if store.invalid:
-        progress.note(f"{store.invalid} journal entr(y/ies) failed validation; those items run again")
+        progress.note(f"{store.invalid} journal line(s) failed validation (torn or missing shard); their items run again")
     if settled_before:
         progress.note(f"resuming: {len(settled_before)} of {source.count} items already durable in {spec.parts}")
     collector = Collector(store, spec.model is not None and spec.postprocess is None, store.schema())
@@ -262,7 +277,8 @@ class _Run:
         if len(self.describe.inputs) == 1:
             ranks[""] = len(self.describe.inputs[0].shape)
         self.startup_s = time.monotonic() - self.t0
-        t1 = self.collector.last_commit = self.progress.start = time.monotonic()
+        t1 = self.collector.last_commit = time.monotonic()
+        self.progress.begin()
         try:
             with Interrupts() as intr:
                 self._loop(eng, source, iter(todo), intr)

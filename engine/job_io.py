@@ -7,6 +7,7 @@
     .jsonl one JSON value per line  shards/*.npz     rows of done items, `__index__` says which
     .txt   one string per line      failures.jsonl   index, error class, message, attempts
                                     report.json      the summary of the last run
+                                    .lock            flock: one writer per OUTPUT
 
 A shard becomes durable in three steps: write a temporary file, fsync, rename (then fsync the
 folder); only then is its journal line appended (and fsynced). On open the journal is read back,
@@ -17,6 +18,7 @@ cannot swallow the next append.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -271,6 +273,7 @@ class Store:
     parts: Path
     entries: list[Entry] = field(default_factory=list)
     invalid: int = 0  # journal entries dropped on open (torn or missing shard)
+    _lock_fd: int = -1
 
     @property
     def shards(self) -> Path:
@@ -283,27 +286,51 @@ class Store:
     @classmethod
     def open(cls, parts: Path, fingerprint: dict[str, Any], *, resume: bool, overwrite: bool) -> Store:
         manifest = parts / "manifest.json"
-        if overwrite:
-            clear(parts)
         if resume and not manifest.exists():
             raise JobError(f"--resume: nothing to resume in {parts} (no manifest.json)")
-        if manifest.exists():
-            try:
-                old = json.loads(manifest.read_text())
-            except (OSError, ValueError) as exc:
-                raise JobError(f"{manifest} is unreadable ({exc}); pass --overwrite to start over") from exc
-            if old.get("job") != fingerprint:
-                raise JobError(f"{parts} holds results of a different job (input, model or hooks changed); "
-                               "choose another OUTPUT or pass --overwrite")
         parts.mkdir(parents=True, exist_ok=True)
         store = cls(parts)
-        store.shards.mkdir(exist_ok=True)
-        if not manifest.exists():
-            write_json(manifest, {"format": "slabpool-job/1", "job": fingerprint})
-        store._load()
+        store._lock()
+        try:
+            if overwrite:
+                clear(parts)
+            store._check(manifest, fingerprint)
+            store.shards.mkdir(exist_ok=True)
+            if not manifest.exists():
+                write_json(manifest, {"format": "slabpool-job/1", "job": fingerprint})
+            store._load()
+        except BaseException:
+            store.close()
+            raise
         return store
 
-    def _load(self) -> None:
+    @staticmethod
+    def _check(manifest: Path, fingerprint: dict[str, Any]) -> None:
+        if not manifest.exists():
+            return
+        try:
+            old = json.loads(manifest.read_text())
+        except (OSError, ValueError) as exc:
+            raise JobError(f"{manifest} is unreadable ({exc}); pass --overwrite to start over") from exc
+        if old.get("job") != fingerprint:
+            raise JobError(f"{manifest.parent} holds results of a different job (input, model or hooks "
+                           "changed); choose another OUTPUT or pass --overwrite")
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the lock
+            self._lock_fd = -1
+
+    def _lock(self) -> None:
+        """One writer per OUTPUT; the kernel drops the lock when the process dies."""
+        self._lock_fd = os.open(self.parts / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise JobError(f"another slabpool run is writing {self.parts}") from None
+
+    def _load(self, *, readonly: bool = False) -> None:
         raw = self.journal.read_text().splitlines() if self.journal.exists() else []
         for line in raw:
             try:
@@ -315,6 +342,8 @@ class Store:
                 self.invalid += 1
                 continue
             self.entries.append(entry)
+        if readonly:
+            return
         keep = {e.shard for e in self.entries}
         for p in self.shards.iterdir():  # orphans: written but never journaled, or torn
             if p.name not in keep:
@@ -397,7 +426,7 @@ def read_output(output: str | os.PathLike[str]) -> dict[str, Array]:
     parts = Path(output)
     manifest = json.loads((parts / "manifest.json").read_text())
     store = Store(parts)
-    store._load()
+    store._load(readonly=True)
     count = int(manifest["job"]["count"])
     return assemble(store, count, None) or {}
 
