@@ -1,0 +1,286 @@
+"""The asyncio front end on a real event loop and real worker processes.
+
+Gates are files (tests/async_hooks.py): a gated task marks that it started and then holds its
+slot until the test opens the gate, so "queued" and "running" are states the test arranges,
+not timings it hopes for. Every wait has a deadline that only a deadlock reaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine import Engine, aio
+from engine.errors import QueueFull, SessionRunError, TaskCancelled
+from tests.models import onnx_models
+
+DEADLOCK_S = 60.0
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, DEADLOCK_S))
+
+
+async def until(what: Callable[[], bool], why: str) -> None:
+    """Yield to the loop until `what()` holds; only a deadlock reaches the deadline."""
+    deadline = time.monotonic() + DEADLOCK_S
+    while not what():
+        assert time.monotonic() < deadline, f"never happened: {why}"
+        await asyncio.sleep(0.002)
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+
+def probs(x: np.ndarray) -> np.ndarray:
+    return onnx_models.mlp_reference(x)["probs"]
+
+
+def gated_engine(models: Any, **kw: Any) -> Engine:
+    """One slot holding one task at a time: a second task stays queued while the first runs."""
+    settings = {"workers": 1, "inflight_per_slot": 1, "preprocess": "tests.async_hooks:gated"}
+    return Engine(models.mlp, **(settings | kw))
+
+
+def item(gate: Path, tag: str, *, wait: bool = False) -> dict[str, Any]:
+    return {"x": rows(1), "dir": str(gate), "tag": tag, "wait": wait}
+
+
+def started(gate: Path, tag: str) -> bool:
+    return (gate / f"started-{tag}").exists()
+
+
+# -- results --------------------------------------------------------------------------------------
+
+
+def test_infer_submit_and_async_with(models: Any) -> None:
+    async def main() -> Engine:
+        async with Engine(models.mlp, workers=2) as eng:
+            x = rows(3)
+            out = await eng.infer_async({"x": x})
+            np.testing.assert_allclose(out["probs"], probs(x), rtol=1e-5, atol=1e-6)
+            res = await eng.submit_async({"x": x}, context={"tenant": "a"})
+            assert (res.task_id, res.attempts, res.context) == (1, 1, {"tenant": "a"})
+            assert res.model_version == eng.model_version
+            assert eng.state.name == "ACCEPTING"
+        return eng
+
+    eng = run(main())
+    assert eng.state.name == "CLOSED"
+
+
+def test_map_async_order_and_bounded_window(models: Any) -> None:
+    window, n = 3, 24
+    pulled = 0
+
+    async def source() -> Any:
+        nonlocal pulled
+        for i in range(n):
+            pulled += 1
+            yield {"x": rows(1, seed=i)}
+
+    async def main() -> None:
+        async with Engine(models.mlp, workers=2) as eng:
+            got = 0
+            async for res in eng.map_async(source(), window=window):
+                # accepted and not yet handed to the consumer: never more than the window
+                assert pulled - got <= window
+                assert eng.stats().accepted - got <= window
+                np.testing.assert_allclose(res.outputs["probs"], probs(rows(1, seed=got)), rtol=1e-5, atol=1e-6)
+                assert res.task_id == got
+                got += 1
+            assert got == n
+
+    run(main())
+
+
+def test_map_async_plain_iterable_return_exceptions(models: Any) -> None:
+    items = [{"x": rows(1, seed=i), "fail": i % 4 == 1} for i in range(8)]
+
+    async def main() -> list[Any]:
+        async with Engine(models.mlp, workers=2, preprocess="tests.async_hooks:log_and_feed") as eng:
+            return [r async for r in eng.map_async(items, return_exceptions=True)]
+
+    out = run(main())
+    assert [isinstance(r, SessionRunError) for r in out] == [it["fail"] for it in items]
+    assert [r.task_id for r in out] == list(range(8))
+
+
+def test_map_async_stops_early_and_cancels_the_rest(models: Any, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with gated_engine(models) as eng:
+            feed = [item(tmp_path, "0")] + [item(tmp_path, str(i), wait=True) for i in range(1, 4)]
+            async for res in eng.map_async(feed, window=4):
+                assert res.task_id == 0
+                break  # task 1 holds the slot at the gate; 2 and 3 are queued
+            await until(lambda: eng.stats().cancelled == 3, "the rest cancelled")
+            (tmp_path / "open").touch()
+        st = eng.stats()
+        assert (st.accepted, st.completed, st.cancelled) == (4, 1, 3)
+        assert not started(tmp_path, "2") and not started(tmp_path, "3")
+
+    run(main())
+
+
+# -- cancellation receipts --------------------------------------------------------------------------
+
+
+def test_cancel_queued_never_runs(models: Any, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with gated_engine(models) as eng:
+            a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
+            await until(lambda: started(tmp_path, "a"), "a holds the slot")
+
+            b = asyncio.create_task(eng.infer_async(item(tmp_path, "b")))
+            await until(lambda: eng.stats().queued == 1, "b queued")
+            b.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await b
+            st = eng.stats()  # the receipt is immediate: out of the queue, counted
+            assert (st.queued, st.cancelled) == (0, 1)
+
+            with pytest.raises(TimeoutError):  # a timeout scope: the same receipt
+                async with asyncio.timeout(0.05):
+                    await eng.infer_async(item(tmp_path, "c"))
+            st = eng.stats()
+            assert (st.queued, st.cancelled) == (0, 2)
+
+            (tmp_path / "open").touch()
+            await a
+        st = eng.stats()
+        assert (st.accepted, st.completed, st.cancelled, st.failed) == (3, 1, 2, 0)
+        assert not started(tmp_path, "b") and not started(tmp_path, "c")
+
+    run(main())
+
+
+def test_cancel_running_is_never_delivered(models: Any, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with gated_engine(models) as eng:
+            a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
+            await until(lambda: started(tmp_path, "a"), "a running")
+            a.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            # it ends at once, while its run is still held at the gate
+            await until(lambda: eng.stats().cancelled == 1, "a cancelled")
+            assert eng.stats().slots[0].tasks_done == 0 and not (tmp_path / "open").exists()
+
+            (tmp_path / "open").touch()
+            await until(lambda: eng.stats().slots[0].tasks_done == 1, "a's run ended")
+            st = eng.stats()
+            assert (st.completed, st.cancelled) == (0, 1)  # its result was dropped
+
+            x = rows(2, seed=7)
+            res = await eng.submit_async({"x": x})
+            assert res.task_id == 1
+            np.testing.assert_allclose(res.outputs["probs"], probs(x), rtol=1e-5, atol=1e-6)
+
+    run(main())
+
+
+def test_close_on_error_cancels_queued_waiters_without_blocking_the_loop(models: Any, tmp_path: Path) -> None:
+    """`async with` closes on a thread: while close() waits for the running task, the loop
+    still runs (here: the coroutine that opens the gate once the queued task is cancelled)."""
+
+    async def open_gate_after(task: asyncio.Task[Any]) -> None:
+        await asyncio.wait([task])
+        (tmp_path / "open").touch()
+
+    async def main() -> None:
+        eng = gated_engine(models)
+        with pytest.raises(RuntimeError, match="boom"):
+            async with eng:
+                a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
+                await until(lambda: started(tmp_path, "a"), "a running")
+                b = asyncio.create_task(eng.infer_async(item(tmp_path, "b")))
+                await until(lambda: eng.stats().queued == 1, "b queued")
+                opener = asyncio.create_task(open_gate_after(b))
+                raise RuntimeError("boom")
+        with pytest.raises(TaskCancelled) as info:  # the engine's error, not asyncio's
+            await b
+        assert info.value.reason == "closed"
+        await opener
+        assert (await a)["probs"].shape == (1, 8)
+        assert eng.state.name == "CLOSED"
+
+    run(main())
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def test_heartbeat_keeps_ticking_while_200_run(models: Any) -> None:
+    """A full queue sends callers to the admission lane, never to a wait on the loop."""
+    period = 0.005
+
+    async def heartbeat(stop: asyncio.Event) -> float:
+        worst, last = 0.0, time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            worst, last = max(worst, now - last - period), now
+        return worst
+
+    async def main() -> None:
+        async with Engine(models.mlp, workers=2, queue_capacity=4) as eng:
+            stop = asyncio.Event()
+            beat = asyncio.create_task(heartbeat(stop))
+            xs = [rows(2, seed=i) for i in range(200)]
+            outs = await asyncio.gather(*(eng.infer_async({"x": x}) for x in xs))
+            stop.set()
+            worst = await beat
+            for x, out in zip(xs, outs, strict=True):
+                np.testing.assert_allclose(out["probs"], probs(x), rtol=1e-5, atol=1e-6)
+            assert aio._lanes(eng).admit.jobs > 0, "the queue never filled: the lane was not exercised"
+            assert worst < 0.1, f"the event loop stalled for {worst * 1000:.0f} ms"
+
+    run(main())
+
+
+def test_full_queue_with_reject_raises_queue_full(models: Any, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with gated_engine(models, admission="reject", queue_capacity=1) as eng:
+            a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
+            await until(lambda: started(tmp_path, "a"), "a running")
+            b = asyncio.create_task(eng.infer_async(item(tmp_path, "b")))
+            await until(lambda: eng.stats().queued == 1, "b queued")
+            with pytest.raises(QueueFull):
+                await eng.infer_async(item(tmp_path, "c"))
+            (tmp_path / "open").touch()
+            await asyncio.gather(a, b)
+        assert eng.stats().accepted == 2
+
+    run(main())
+
+
+# -- the documented example -----------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
+def test_starlette_example_serves_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    monkeypatch.setenv("SLABPOOL_WORKERS", "1")
+    from examples import starlette_app
+
+    image = np.zeros((3, 112, 112), dtype=np.float32)
+    with TestClient(starlette_app.app) as client:
+        got = client.post("/predict", content=image.tobytes(),
+                          headers={"content-type": "application/octet-stream", "x-request-id": "r-1"})
+        assert got.status_code == 200, got.text
+        body = got.json()
+        assert len(body["probs"]) == 10 and body["label"] == int(np.argmax(body["probs"]))
+        assert client.post("/predict", content=b"\0" * 12).status_code == 422
+        metrics = client.get("/metrics")
+        assert "slabpool_tasks_completed_total 1" in metrics.text
+        assert client.get("/healthz").status_code == 200
