@@ -235,7 +235,10 @@ class RayEngine:
         self._close_lock = threading.Lock()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=address, **{"include_dashboard": False, **dict(ray_init_kwargs or {})})
+            init: dict[str, Any] = {"include_dashboard": False, **dict(ray_init_kwargs or {})}
+            if address is not None:
+                init["address"] = address
+            ray.init(**init)
         self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, self._wake)
         try:
             self._ledger = _Ledger(self.config, self._queue, cpus_per_slot, actor_options)

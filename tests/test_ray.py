@@ -1,0 +1,470 @@
+"""One contract suite, two backends: `Engine(model, workers=2)` and `Engine(..., cluster="ray")`.
+
+The local cases run here. The Ray cases need a Ray cluster confined to loopback, so this same
+file is re-run once, in a subprocess, inside a private network namespace with only `lo` up:
+
+    pytest (this process)                      unshare -n: ip link set lo up; pytest (inner)
+      test_x[local]  runs here                   ray.init(num_cpus=2) once for the module
+      test_x[ray]    reports the inner outcome   test_x[ray] runs for real; test_x[local] skips
+      after the run: no process may be left in that namespace (checked by its inode)
+
+Inside, the conftest leak check is narrowed to what a test may leave: no actor of ours
+(`ray::SlotActor`, Ray Data's `MapWorker`), no second node, no slabpool shared memory; the Ray
+daemons themselves must be gone after `ray.shutdown()` at the end of the module.
+Skipped, with the reason, when Ray, `unshare` or `ip` is missing, or without root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from engine import Engine
+from engine import errors as E
+from engine.states import EngineState
+from tests.conftest import our_children, slabpool_shm
+from tests.models import onnx_models
+
+INNER = os.environ.get("SLABPOOL_RAY_NETNS") == "1"
+REPO = Path(__file__).resolve().parent.parent
+HOOK = "tests.ray_support.hooks:staged"
+DELEGATED = "ray, run in the private network namespace"
+OURS = ("SlotActor", "MapWorker", "ray start", "ray/scripts/scripts.py start")
+INNER_TIMEOUT_S = 280
+
+
+def why_no_ray() -> str | None:
+    if importlib.util.find_spec("ray") is None:
+        return "ray is not installed: pip install 'slabpool[ray]' to run the Ray backend's tests"
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is missing: the Ray tests run in a private network namespace (unshare -n)"
+    if os.geteuid() != 0:
+        return "the Ray tests need root for `unshare -n` (a private network namespace, loopback only)"
+    return None
+
+
+# -- the outer run: delegate the Ray cases to one confined subprocess ---------------------------
+
+
+@pytest.fixture(scope="module")
+def inner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    reason = why_no_ray()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("ray_inner")
+    xml, log, netns = d / "junit.xml", d / "output.txt", d / "netns"
+    ray_tmp = tempfile.mkdtemp(prefix="slabray-", dir="/tmp")  # short: Ray's socket paths live here
+    env = {**os.environ, "SLABPOOL_RAY_NETNS": "1", "SLABPOOL_RAY_NETNS_FILE": str(netns),
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" -m pytest "$@"',
+           sys.executable, str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+           f"--junitxml={xml}", "-o", "junit_family=xunit2"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(INNER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = _left_in_namespace(netns)
+    shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session logs and its current-cluster file
+    tail = log.read_text(errors="replace")[-6000:]
+    assert not left, f"processes left in the Ray tests' network namespace: {left}\n{tail}"
+    if not xml.exists():
+        pytest.fail(f"the confined Ray run produced no report (exit {proc.returncode}):\n{tail}")
+    return _parse_junit(xml, tail)
+
+
+def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
+    """Every process still in the inner run's network namespace, SIGKILLed and listed."""
+    if not netns_file.exists():
+        return []
+    ns = netns_file.read_text().strip()
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.readlink(f"/proc/{p.pid}/ns/net") == ns:
+                left.append((p.pid, " ".join(p.info["cmdline"] or [])))
+                p.kill()
+        except (OSError, psutil.Error):
+            continue
+    return left
+
+
+def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
+    results = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome, text = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "skipped" if child.tag == "skipped" else "failed"
+                text = (child.get("message") or "") + "\n" + (child.text or "")
+                if outcome == "failed":
+                    break
+        results[case.get("name", "")] = (outcome, text)
+    results["__output__"] = ("", tail)
+    return results
+
+
+def report_inner(request: pytest.FixtureRequest) -> None:
+    """The outcome of this case in the confined run, as this case's own outcome."""
+    results = request.getfixturevalue("inner_results")
+    outcome, text = results.get(request.node.name, ("missing", results["__output__"][1]))
+    if outcome == "failed":
+        pytest.fail(f"failed in the confined Ray run:\n{text}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(text.strip().splitlines()[0] if text.strip() else "skipped in the confined run")
+    if outcome == "missing":
+        pytest.fail(f"not run in the confined Ray run; its output:\n{text}", pytrace=False)
+
+
+# -- the inner run: one confined Ray cluster for the module -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[SimpleNamespace]:
+    import ray
+
+    if path := os.environ.get("SLABPOOL_RAY_NETNS_FILE"):
+        Path(path).write_text(os.readlink("/proc/self/ns/net"))
+    # address="local": never join a cluster some other run left recorded in RAY_TMPDIR
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ctx = ray.get_runtime_context()
+        yield SimpleNamespace(ray=ray, gcs=ctx.gcs_address, head=ctx.get_node_id())
+    finally:
+        ray.shutdown()
+    deadline = time.monotonic() + 20  # only a leak reaches it
+    while our_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kids = our_children()
+    for p in kids:
+        p.kill()
+    assert not kids, f"Ray processes left after ray.shutdown(): {[(p.pid, p.cmdline()) for p in kids]}"
+
+
+def ours_left() -> list[tuple[int, str]]:
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if any(name in cmd for name in OURS):
+            left.append((p.pid, cmd))
+    return left
+
+
+if INNER:
+
+    @pytest.fixture(autouse=True)
+    def nothing_left_behind() -> Iterator[None]:  # overrides conftest's: Ray's daemons stay up
+        yield
+        deadline = time.monotonic() + 15  # only a leak reaches it
+        while (ours_left() or slabpool_shm()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = ours_left()
+        for pid, _ in left:
+            psutil.Process(pid).kill()
+        assert not left, f"actors or nodes left behind: {left}"
+        assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
+
+
+# -- the suite ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    if name == "local" and INNER:
+        pytest.skip("the local backend runs in the outer pytest process")
+    if name == "ray" and not INNER:
+        report_inner(request)
+        return DELEGATED
+    if name == "ray":
+        request.getfixturevalue("ray_cluster")
+    return name
+
+
+@pytest.fixture
+def ray_only(request: pytest.FixtureRequest) -> SimpleNamespace | None:
+    if not INNER:
+        report_inner(request)
+        return None
+    cluster: SimpleNamespace = request.getfixturevalue("ray_cluster")
+    return cluster
+
+
+def build(backend: str, model: Path, **kw: Any) -> Any:
+    if backend == "ray":
+        return Engine(model, workers=2, cluster="ray", **kw)
+    return Engine(model, workers=2, **kw)
+
+
+def rows(seed: int, n: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+
+def assert_mlp(outputs: dict[str, np.ndarray], x: np.ndarray) -> None:
+    ref = onnx_models.mlp_reference(x)
+    assert set(outputs) == {"probs", "logits"}
+    for name, want in ref.items():
+        np.testing.assert_allclose(outputs[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def completions(futs: list[Future[Any]]) -> list[int]:
+    """Count how often each Future completes: exactly-once means 1 each."""
+    counts = [0] * len(futs)
+    for i, f in enumerate(futs):
+        f.add_done_callback(lambda _f, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+def test_results_equal(backend: str, models: SimpleNamespace) -> None:
+    if backend == DELEGATED:
+        return
+    xs = [rows(i, n=1 + i % 4) for i in range(12)]
+    with build(backend, models.mlp) as eng:
+        assert eng.state is EngineState.ACCEPTING
+        desc = eng.describe()
+        assert [s.name for s in desc.inputs] == ["x"] and desc.batchable
+        results = [eng.submit({"x": x}).result(60) for x in xs[:4]] + list(eng.map({"x": x} for x in xs[4:]))
+        assert np.array_equal(eng.infer(xs[0])["probs"], results[0].outputs["probs"])  # a bare array
+        stats = eng.stats()
+    assert eng.state is EngineState.CLOSED
+    for x, res in zip(xs, results, strict=True):
+        assert_mlp(res.outputs, x)
+        assert res.outputs["probs"].flags.writeable  # the caller owns its outputs
+    assert [r.task_id for r in results] == list(range(12))
+    assert {r.attempts for r in results} == {1}
+    assert {r.model_version for r in results} == {desc.model_version} and desc.model_version
+    assert all(r.pid > 0 and r.slot in (0, 1) and r.timings.total >= r.timings.run for r in results)
+    assert (stats.accepted, stats.completed, stats.failed, stats.replayed) == (13, 13, 0, 0)
+
+
+def test_input_contract_errors_at_submit(backend: str, models: SimpleNamespace) -> None:
+    if backend == DELEGATED:
+        return
+    with build(backend, models.mlp) as eng:
+        with pytest.raises(E.InputContractError, match="dtype"):
+            eng.submit({"x": rows(0).astype(np.float64)})
+        with pytest.raises(E.InputContractError, match="input names"):
+            eng.submit({"y": rows(0)})
+        with pytest.raises(ValueError, match="axis 1 must be 16"):
+            eng.submit({"x": np.zeros((2, 15), np.float32)})
+        assert eng.stats().accepted == 0
+
+
+def test_submit_after_close(backend: str, models: SimpleNamespace) -> None:
+    if backend == DELEGATED:
+        return
+    eng = build(backend, models.mlp)
+    eng.close()
+    eng.close()  # idempotent
+    assert eng.state is EngineState.CLOSED
+    with pytest.raises(E.EngineClosed):
+        eng.submit({"x": rows(0)})
+    assert repr(eng).split()[1] == "CLOSED"
+
+
+def test_cancel_queued_task(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
+    if backend == DELEGATED:
+        return
+    gate = tmp_path / "gate"
+    with build(backend, models.mlp, preprocess=HOOK, inflight_per_slot=2) as eng:
+        blockers = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(4)]  # fill 2 slots x 2
+        victim = eng.submit({"x": rows(9)})
+        assert eng.cancel(victim)
+        assert victim.cancelled()
+        gate.touch()
+        for i, f in enumerate(blockers):
+            assert_mlp(f.result(60).outputs, rows(i))
+        stats = eng.stats()
+    assert (stats.accepted, stats.completed, stats.cancelled) == (5, 4, 1)
+
+
+def test_cancel_running_task_with_kill(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
+    if backend == DELEGATED:
+        return
+    gate = tmp_path / "gate"
+    with build(backend, models.mlp, preprocess=HOOK, inflight_per_slot=1) as eng:
+        futs = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(3)]  # 2 running, 1 queued
+        wait_until(lambda: eng.stats().queued == 1)
+        assert eng.cancel(futs[0], kill=True)
+        with pytest.raises(E.TaskCancelled):
+            futs[0].result(60)
+        gate.touch()
+        for i in (1, 2):
+            assert_mlp(futs[i].result(60).outputs, rows(i))
+        wait_until(lambda: eng.stats().restarts == 1)  # the killed slot is rebuilt, asynchronously
+        stats = eng.stats()
+    assert (stats.completed, stats.cancelled, stats.failed, stats.restarts) == (2, 1, 0, 1)
+
+
+def wait_until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout  # only a deadlock reaches it
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_sigkill_mid_task_is_replayed_once(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
+    if backend == DELEGATED:
+        return
+    xs = [rows(i) for i in range(8)]
+    with build(backend, models.mlp, preprocess=HOOK) as eng:
+        futs = [eng.submit({"x": x, "kill_once": str(tmp_path / "killed")} if i == 3 else {"x": x})
+                for i, x in enumerate(xs)]
+        counts = completions(futs)
+        results = [f.result(60) for f in futs]
+        stats = eng.stats()
+    assert (tmp_path / "killed").exists()
+    for x, res in zip(xs, results, strict=True):
+        assert_mlp(res.outputs, x)
+    assert results[3].attempts == 2
+    assert {r.attempts for r in results} <= {1, 2}
+    assert counts == [1] * 8
+    assert [r.task_id for r in results] == list(range(8))
+    assert (stats.accepted, stats.completed, stats.failed, stats.restarts) == (8, 8, 0, 1)
+    assert stats.replayed >= 1
+
+
+def test_poison_task_is_quarantined(backend: str, models: SimpleNamespace) -> None:
+    if backend == DELEGATED:
+        return
+    xs = [rows(i) for i in range(6)]
+    with build(backend, models.mlp, preprocess=HOOK, max_attempts=2) as eng:
+        futs = [eng.submit({"x": x, "poison": True} if i == 2 else {"x": x}) for i, x in enumerate(xs)]
+        with pytest.raises(E.PoisonTask) as info:
+            futs[2].result(60)
+        others = [f.result(60) for i, f in enumerate(futs) if i != 2]
+        stats = eng.stats()
+    assert info.value.task_id == 2
+    assert len(info.value.crashes) == 2 and all(isinstance(c, E.Crash) for c in info.value.crashes)
+    for x, res in zip(xs[:2] + xs[3:], others, strict=True):
+        assert_mlp(res.outputs, x)
+    assert (stats.completed, stats.failed, stats.quarantined) == (5, 1, 1)
+
+
+# -- Ray only -----------------------------------------------------------------------------------
+
+
+def test_ray_data_adapter(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
+    if ray_only is None:
+        return
+    import ray.data
+
+    from engine.ray_data import SlabpoolPredictor
+
+    x = rows(7, n=48)
+    ds = ray.data.from_items([{"id": i, "x": x[i]} for i in range(48)])
+    out = ds.map_batches(
+        SlabpoolPredictor,
+        fn_constructor_kwargs={"model": str(models.mlp)},
+        compute=ray.data.ActorPoolStrategy(size=2), num_cpus=0.5, batch_size=16, batch_format="numpy",
+    ).take_all()
+    got = sorted(out, key=lambda r: int(r["id"]))
+    assert [int(r["id"]) for r in got] == list(range(48))
+    assert set(got[0]) == {"id", "probs", "logits"}
+    assert_mlp({"probs": np.stack([r["probs"] for r in got]), "logits": np.stack([r["logits"] for r in got])}, x)
+
+
+def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None:
+    """The adapter needs no Ray to be called: session, contract check and hooks, per batch."""
+    if INNER:
+        pytest.skip("runs in the outer pytest process")
+    from engine.ray_data import SlabpoolPredictor
+
+    x = rows(3, n=5)
+    batch = {"id": np.arange(5), "x": x}
+    labelled = SlabpoolPredictor(models.mlp, postprocess="tests.ray_support.hooks:label")(batch)
+    assert np.array_equal(labelled["id"], batch["id"])
+    assert np.array_equal(labelled["label"], onnx_models.mlp_reference(x)["probs"].argmax(axis=-1))
+    plain = SlabpoolPredictor(models.mlp)(batch)
+    assert list(plain) == ["id", "probs", "logits"]
+    with pytest.raises(E.InputContractError, match="dtype"):
+        SlabpoolPredictor(models.mlp)({"x": x.astype(np.float64)})
+
+
+@pytest.mark.slow
+def test_node_loss_replays_on_the_surviving_node(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path
+) -> None:
+    if ray_only is None:
+        return
+    ray = ray_only.ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = subprocess.Popen(  # a second node on this machine, in the same namespace
+        [str(Path(sys.executable).with_name("ray")), "start", f"--address={ray_only.gcs}", "--num-cpus=1",
+         "--block", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        second = wait_for_node(ray, ray_only.head)
+        where = {0: ray_only.head, 1: second}
+
+        def place(slot: int) -> dict[str, Any]:
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(where[slot], soft=True)}
+
+        gate = tmp_path / "gate"
+        xs = [rows(i) for i in range(8)]
+        with build("ray", models.mlp, preprocess=HOOK, actor_options=place) as eng:
+            assert [n for _, n, _ in eng.placement()] == [ray_only.head, second]
+            survivor = eng.placement()[0][2]
+            futs = [eng.submit({"x": x, "gate": str(gate)}) for x in xs]
+            counts = completions(futs)
+            kill_tree(node)  # the whole second node: raylet, agents, our actor
+            gate.touch()
+            results = [f.result(120) for f in futs]
+            stats = eng.stats()
+        for x, res in zip(xs, results, strict=True):
+            assert_mlp(res.outputs, x)
+        replayed = [r for r in results if r.attempts == 2]
+        assert replayed and all(r.pid == survivor for r in replayed)
+        assert counts == [1] * 8
+        assert (stats.completed, stats.failed) == (8, 0)
+    finally:
+        kill_tree(node)
+
+
+def wait_for_node(ray: Any, head: str) -> str:
+    deadline = time.monotonic() + 60  # only a broken start reaches it
+    while time.monotonic() < deadline:
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
+        if alive:
+            return str(alive[0])
+        time.sleep(0.2)
+    raise AssertionError("the second Ray node did not join within 60 s")
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.Error:
+        tree = []
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    proc.wait()
+    psutil.wait_procs(tree, timeout=10)
