@@ -1,0 +1,87 @@
+"""slabpool itself: `Engine.submit` per item, with or without dynamic batching."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from bench.contenders.base import Done, FutureHandle, windowed
+
+
+class Slabpool:
+    def __init__(self, window_per_worker: int, batch: int = 1) -> None:
+        self.name = "slabpool+batch" if batch > 1 else "slabpool"
+        self.note = (f"Engine(forkserver, max_batch_size={batch}, max_batch_wait_ms=2)" if batch > 1
+                     else "Engine(forkserver), no batching")
+        self._per_worker, self._batch = window_per_worker, batch
+        self.engine: Any = None
+        self._window = 1
+
+    def setup(self, model: str, workers: int) -> None:
+        from engine import Engine
+
+        self._window = self._per_worker * workers
+        kw: dict[str, Any] = {}
+        if self._batch > 1:  # the queue must hold enough tasks to fill batches
+            kw = {"max_batch_size": self._batch, "max_batch_wait_ms": 2.0, "queue_capacity": self._window}
+        self.engine = Engine(model, workers=workers, start_method="forkserver", **kw)
+
+    def run(self, items: Sequence[Any]) -> Iterator[Done]:
+        submit = self.engine.submit
+
+        def start(item: Any, on_done: Any) -> FutureHandle:
+            return FutureHandle(submit(item), on_done)
+
+        for done in windowed(start, items, self._window):
+            yield Done(done.outputs.outputs, done.latency)
+
+    def sample(self) -> dict[str, float]:
+        st = self.engine.stats()
+        rss = [_rss(s.pid) for s in st.slots if s.pid]
+        return {
+            "shm_in_use_bytes": st.shm_inputs_used + st.shm_outputs_used,
+            "shm_capacity_bytes": 2 * st.shm_capacity,
+            "worker_private_rss_bytes": max((r[0] - r[1] for r in rss), default=0),
+            "worker_rss_shmem_bytes": max((r[1] for r in rss), default=0),  # arena pages it touched
+        }
+
+    def abort(self) -> None:
+        """From the watchdog's thread: fail what is blocked, drop what is queued."""
+        if self.engine is not None:
+            unstick(self.engine)
+            self.engine.close(cancel_pending=True, timeout=5.0)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    """(VmRSS, RssShmem) of a process, in bytes; zeros if it is gone."""
+    fields: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return 0, 0
+    return fields.get("VmRSS", 0), fields.get("RssShmem", 0)
+
+
+def unstick(engine: Any) -> None:
+    """Workaround, used only once a hang is detected: write the supervisor's wake-up byte
+    directly. Supervisor.wake() coalesces wake-ups with a `_wake_pending` flag that `_step`
+    clears *before* reading the pipe; a wake() between the two leaves the flag set and the
+    pipe empty, and every later wake() (new tasks, close()) is skipped: a lost wake-up.
+    Remove once the engine clears the flag after reading."""
+    sup = getattr(engine, "_sup", None)
+    fd = getattr(sup, "_wake_w", None)
+    if fd is not None:
+        try:
+            os.write(fd, b"\0")
+        except OSError:
+            pass

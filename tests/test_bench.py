@@ -1,0 +1,53 @@
+"""A smoke run of `python -m bench` on tiny sizes, so the benchmark cannot rot.
+
+It checks that the run writes its JSON, markdown and PNG, that every contender has a row
+(measured, or skipped with a reason), and that every measured contender's outputs were
+checked against the serial reference. It asserts no timing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTENDERS = ("serial", "ort-threads", "slabpool", "slabpool+batch", "ProcessPoolExecutor",
+              "loky", "pebble", "mp.Pool", "ray")
+
+
+@pytest.mark.slow
+def test_bench_smoke_run_writes_every_contender(tmp_path: Path) -> None:
+    # A subprocess: the bench's pools (and Ray, when installed) live and die in its own tree.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--workers", "1", "--workloads", "mlp,noop",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("latest.json", "latest.md", "latest.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads((tmp_path / "latest.json").read_text())
+    rows = {(m["workload"], m["contender"]): m for m in report["measurements"]}
+    for workload in ("mlp", "noop"):
+        for contender in CONTENDERS:
+            m = rows[(workload, contender)]
+            assert m["status"] in ("ok", "skipped"), m
+            if m["status"] == "ok":
+                assert m["items"] > 0 and m["items_per_s"] > 0 and m["checked"] > 0, m
+            else:
+                assert contender == "ray" and m["error"], m  # only Ray may be absent
+    assert report["crash"] and not report["crash"][0]["error"]
+    assert report["crash"][0]["recovery_serving_s"] and report["crash"][0]["checked"] > 0
+    assert {m["workload"] for m in report["memory"]} == {"mlp", "noop"}
+    assert report["targets"] and not report["leftovers"]
+
+    table = (tmp_path / "latest.md").read_text()
+    for contender in CONTENDERS:
+        assert f"| {contender} |" in table, contender
+    for contender in CONTENDERS:  # the printed table too
+        assert f" {contender} " in proc.stdout, contender
