@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
-EXTRAS := litert,test,bench,dev,metrics
+EXTRAS := litert,test,bench,dev,metrics,ray
 
 .PHONY: run test test-fast bench check venv clean
 

@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import EngineClosed, QueueFull, TaskCancelled
+from engine.errors import QueueFull, TaskCancelled
 from engine.task import Batch, Task
-
 
 MAX_GROUP = 32  # tasks in one group (one message each way)
 MIN_GROUP = 8  # queued tasks per open slot before grouping starts: a light load goes task by task

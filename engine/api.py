@@ -16,8 +16,8 @@ from typing import Any
 import psutil
 
 from engine import errors as E
-from engine.aio import AsyncEngineMixin
 from engine.admission import TaskQueue, superseded_error
+from engine.aio import AsyncEngineMixin
 from engine.config import EngineConfig, resolve
 from engine.metrics import Metrics, render
 from engine.states import EngineState, TaskState

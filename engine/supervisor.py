@@ -15,8 +15,6 @@ import selectors
 import threading
 import time
 from collections import deque
-
-import numpy as np
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -24,12 +22,14 @@ from multiprocessing.connection import wait
 from multiprocessing.context import BaseContext
 from typing import Any
 
+import numpy as np
+
 from engine import errors as E
 from engine.admission import MAX_GROUP, TaskQueue
 from engine.config import EngineConfig
 from engine.errors import Crash, crash_hint, describe_exit
-from engine.states import SlotState, TaskState
 from engine.slot import Slot
+from engine.states import SlotState, TaskState
 from engine.task import Batch, Result, Task, Timings
 from shm import Arena
 from workers import packing
@@ -112,7 +112,7 @@ class Supervisor:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._abort_startup(E.SessionInitError(f"workers not ready after {self.cfg.startup_timeout} s"))
-            waitables = [s.conn for s in self.slots if s.state is SlotState.STARTING and s.conn]
+            waitables: list[Any] = [s.conn for s in self.slots if s.state is SlotState.STARTING and s.conn]
             waitables += [s.process.sentinel for s in self.slots if s.process]
             ready = wait(waitables, timeout=left)
             for slot in self.slots:
@@ -196,7 +196,7 @@ class Supervisor:
         try:
             while not self._finished():
                 self._step()
-        except BaseException as exc:  # noqa: BLE001 - a bug: fail everything, leave nothing behind
+        except BaseException as exc:
             log.exception("supervisor failed")
             self._fail(E.EngineInternalError(f"supervisor thread failed: {exc!r}"))
         finally:
@@ -721,7 +721,7 @@ class Supervisor:
                 if error is not None:
                     fut.set_exception(error)
                 else:
-                    fut.set_result(result)  # type: ignore[arg-type]
+                    fut.set_result(result)
             except InvalidStateError:
                 pass  # the caller cancelled it first: it ends once, as cancelled
 

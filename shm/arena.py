@@ -222,10 +222,10 @@ def _create_fd(backend: Backend, label: str, instance: str, capacity: int) -> in
         fd = os.memfd_create(f"{PREFIX}{instance}-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, capacity)
         # workers map this fd; seals make it impossible for any of them to resize it (SIGBUS)
-        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # type: ignore[attr-defined]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)  # type: ignore[attr-defined]
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         return fd
-    import _posixshmem  # CPython's own binding; SharedMemory and its tracker are not used
+    import _posixshmem  # type: ignore[import-not-found]  # CPython's own; no SharedMemory, no tracker
 
     name = f"/{PREFIX}{instance}-{label}-{secrets.token_hex(8)}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
@@ -233,4 +233,4 @@ def _create_fd(backend: Backend, label: str, instance: str, capacity: int) -> in
         os.ftruncate(fd, capacity)
     finally:
         _posixshmem.shm_unlink(name)  # nameless from here on, like memfd
-    return fd
+    return int(fd)

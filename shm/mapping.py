@@ -28,7 +28,7 @@ class PassFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_received_fd, (reduction.DupFd(self.fd),))  # type: ignore[attr-defined]
+        return (_received_fd, (reduction.DupFd(self.fd),))
 
 
 def _received_fd(dup: Any) -> int:

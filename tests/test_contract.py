@@ -309,7 +309,7 @@ def _blow_up(item):
 
 
 def test_not_enough_memory_for_the_arenas(models):
-    with pytest.raises(ShmCapacityError, match="needs .* bytes .* available") as info:
+    with pytest.raises(ShmCapacityError, match=r"needs .* bytes .* available") as info:
         Engine(models.mlp, workers=1, shm_capacity=1 << 50)
     assert info.value.needed > info.value.available
 

@@ -75,7 +75,7 @@ def check_one(spec: TensorSpec, arr: Any) -> None:
             f"{where}: expected rank {len(spec.shape)} with shape {_fmt(spec.shape)}, "
             f"got rank {arr.ndim} with shape {arr.shape}"
         )
-    for axis, (want_dim, got_dim) in enumerate(zip(spec.shape, arr.shape)):
+    for axis, (want_dim, got_dim) in enumerate(zip(spec.shape, arr.shape, strict=True)):
         if want_dim is not None and want_dim != got_dim:
             raise InputContractError(
                 f"{where}: expected shape {_fmt(spec.shape)}, got {arr.shape} "

@@ -34,7 +34,7 @@ def act(action: str) -> None:
     if action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "sigsegv":
-        faulthandler._sigsegv()
+        faulthandler._sigsegv()  # type: ignore[attr-defined]
     elif action == "sigbus":
         os.kill(os.getpid(), signal.SIGBUS)
     elif action.startswith("exit"):

@@ -185,7 +185,7 @@ class Worker:
         assert self.session is not None
         if stack and len(ready) > 1:
             try:
-                for t, out in zip(ready, self._run_stacked(ready, feeds)):
+                for t, out in zip(ready, self._run_stacked(ready, feeds), strict=True):
                     results[t.task_id] = out
                 return
             except Exception:  # noqa: BLE001 - find the guilty item: run each on its own
@@ -245,7 +245,7 @@ class Worker:
     # -- step 7: outputs into shared memory ----------------------------------------------------
 
     def _write(self, msg: RunBatch, results: dict[int, Any]) -> tuple[Outcome, ...]:
-        parts = []
+        parts: list[tuple[TaskSpec, Any, list[np.ndarray], RemoteError | None]] = []
         for t in msg.tasks:
             res = results[t.task_id]
             if isinstance(res, RemoteError):
@@ -263,12 +263,12 @@ class Worker:
         if total > 0 and (base < 0 or total > msg.out_nbytes):
             base, error = self._ask_output(msg.batch_id, total)
             if error:
-                err = RemoteError("run", "ShmCapacityError", error, "")
-                return tuple(Outcome(t.task_id, None, e or err) for t, _, _, e in parts)
+                denied = RemoteError("run", "ShmCapacityError", error, "")
+                return tuple(Outcome(t.task_id, None, e or denied) for t, _, _, e in parts)
         outcomes = []
-        for (t, skeleton, arrays, err), size in zip(parts, sizes):
-            if err is not None:
-                outcomes.append(Outcome(t.task_id, None, err))
+        for (t, skeleton, arrays, failed), size in zip(parts, sizes, strict=True):
+            if failed is not None:
+                outcomes.append(Outcome(t.task_id, None, failed))
                 continue
             self.status[0] = t.task_id
             faults.inject(t.fault, "write_outputs")

@@ -69,7 +69,7 @@ class OrtSession:
                     if opts.terminate:
                         raise RunTimeout(f"terminated after {timeout} s") from exc
                     raise
-        return dict(zip(self._outputs, values))
+        return dict(zip(self._outputs, values, strict=True))
 
     def close(self) -> None:
         self._terminator.stop()
@@ -111,7 +111,7 @@ def _usable_providers(spec: SessionSpec) -> tuple[list[Any], bool]:
 def _runs_nodes_on(sess: Any, providers: list[str]) -> bool:
     try:
         info = sess.get_provider_graph_assignment_info()
-    except Exception:  # older runtimes: trust get_providers()
+    except Exception:  # noqa: BLE001 - older runtimes lack it: trust get_providers()
         return any(p in sess.get_providers() for p in providers)
     return any(sub.ep_name in providers and len(sub.get_nodes()) > 0 for sub in info)
 

@@ -65,7 +65,7 @@ def write(
     """Copy `arrays` into the region at `base` (laid out by `layout`); return the Packed form."""
     offsets, _ = layout(arrays)
     refs = []
-    for a, off in zip(arrays, offsets):
+    for a, off in zip(arrays, offsets, strict=True):
         dst = array_at(base + off, a.dtype, a.shape)
         np.copyto(dst, a, casting="no")
         refs.append(ArrayRef(base + off, a.dtype.str, a.shape))
@@ -92,13 +92,13 @@ def unpack(
     if isinstance(packed.skeleton, dict) and all(
         type(v) is Hole for v in packed.skeleton.values()
     ):  # fast path: a flat dict of arrays
-        return {k: arrays[v.index] for k, v in packed.skeleton.items()}
+        return {k: arrays[v.at] for k, v in packed.skeleton.items()}
     return _fill(packed.skeleton, arrays)
 
 
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
     if type(node) is Hole:
-        return arrays[node.index]
+        return arrays[node.at]
     if isinstance(node, dict):
         return {k: _fill(v, arrays) for k, v in node.items()}
     if isinstance(node, list):

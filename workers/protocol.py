@@ -40,7 +40,7 @@ class Packed(NamedTuple):
 
 
 class Hole(NamedTuple):
-    index: int
+    at: int  # the array's index in Packed.arrays
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
     sk = p.skeleton
     refs = tuple(tuple(r) for r in p.arrays)
     if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
-        if [v.index for v in sk.values()] == list(range(len(sk))):
+        if [v.at for v in sk.values()] == list(range(len(sk))):
             return True, tuple(sk), refs
     return False, sk, refs
 

@@ -11,7 +11,9 @@ import contextvars
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
+from types import MappingProxyType
 from typing import Any
 
 from engine import context
@@ -21,7 +23,8 @@ _FIELDS = ("task_id", "attempt", "stage", "error")
 _CONTEXT_FIELDS = ("tenant", "request_id")
 # the task, attempt and stage in hand: every record logged meanwhile carries them,
 # including records from the user's own hooks
-task_fields: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("slabpool_task_fields", default={})
+_NO_TASK: Mapping[str, Any] = MappingProxyType({})
+task_fields: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("slabpool_task_fields", default=_NO_TASK)
 
 
 class Outbox:
