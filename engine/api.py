@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ from engine.admission import TaskQueue, superseded_error
 from engine.aio import AsyncEngineMixin
 from engine.config import EngineConfig, resolve
 from engine.metrics import Metrics, render
+from engine.reload import Reload
 from engine.states import EngineState, TaskState
 from engine.stats import EngineStats, ModelDescription, SlotStats
 from engine.supervisor import Supervisor
@@ -28,6 +30,7 @@ from shm import Arena, CapacityError, InstanceLock, check_capacity, new_instance
 from workers import contract, packing
 from workers.main import WorkerBoot
 from workers.protocol import FaultSpec, TensorSpec
+from workers.session import SessionSpec, detect_backend
 
 
 class Engine(AsyncEngineMixin):
@@ -85,14 +88,14 @@ class Engine(AsyncEngineMixin):
         self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
 
-    def _boot(self, slot: int, incarnation: int) -> WorkerBoot:
+    def _boot(self, slot: int, incarnation: int, spec: SessionSpec | None) -> WorkerBoot:
         cfg = self.config
         import logging
 
         return WorkerBoot(
             slot=slot,
             incarnation=incarnation,
-            session=cfg.session_spec(),
+            session=spec,
             preprocess=cfg.preprocess,
             postprocess=cfg.postprocess,
             initializer=cfg.initializer,
@@ -262,6 +265,37 @@ class Engine(AsyncEngineMixin):
         if not self._sup.join(timeout):
             self._sup.command("abort", f"close(timeout={timeout}) expired before the task ended", wait_reply=False)
             self._sup.join(None)
+
+    def reload(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        drain_slot: bool = True,
+        allow_signature_change: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Swap the model slot by slot, serving throughout; return the new model version.
+
+        Raises SessionInitError if the new model fails to load (the old one keeps serving), and
+        SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False."""
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model file not found: {path}")
+        old = self._sup.specs[0]
+        if old is None:
+            raise E.EngineError("this engine has no model (model=None): nothing to reload")
+        backend = self.config.backend or detect_backend(path)
+        plan = Reload(dataclasses.replace(old, path=path, backend=backend), old, drain_slot, allow_signature_change)
+        self._sup.command("reload", plan)
+        if not plan.done.wait(timeout):
+            raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
+        if plan.error is not None:
+            raise plan.error
+        assert plan.info is not None
+        self._specs = plan.info.inputs
+        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
+        self.model_version = plan.info.model_digest
+        return self.model_version
 
     def _on_stopped(self) -> None:
         """Called by the supervisor thread after every worker is reaped: free the memory."""

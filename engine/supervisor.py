@@ -28,6 +28,7 @@ from engine import errors as E
 from engine.admission import MAX_GROUP, TaskQueue
 from engine.config import EngineConfig
 from engine.errors import Crash, crash_hint, describe_exit
+from engine.reload import Reload
 from engine.slot import Slot
 from engine.states import SlotState, TaskState
 from engine.task import Batch, Result, Task, Timings
@@ -48,6 +49,7 @@ from workers.protocol import (
     TaskSpec,
     decode,
 )
+from workers.session import SessionSpec
 
 log = logging.getLogger("engine")
 IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
@@ -73,12 +75,14 @@ class Supervisor:
         inputs: Arena,
         outputs: Arena,
         ctx: BaseContext,
-        boot: Callable[[int, int], WorkerBoot],
+        boot: Callable[[int, int, SessionSpec | None], WorkerBoot],
         metrics: Any,
     ) -> None:
         self.cfg, self.queue, self.inputs, self.outputs = cfg, queue, inputs, outputs
         self.ctx, self.boot, self.metrics = ctx, boot, metrics
         self.slots = [Slot(i) for i in range(cfg.workers)]
+        self.specs: list[SessionSpec | None] = [cfg.session_spec()] * cfg.workers  # per slot
+        self.reload: Reload | None = None  # a hot model swap in progress
         # one cache line per slot, at the start of the output arena: the id of the task its
         # worker is in (IDLE, or STACKED for a whole stacked batch), read after a death
         self._status_lease = outputs.lease(64 * cfg.workers)
@@ -151,7 +155,29 @@ class Supervisor:
     def _spawn(self, slot: Slot) -> None:
         self._watch_dirty = True
         self.status[slot.index, 0] = IDLE
-        slot.spawn(self.ctx, self.boot(slot.index, slot.incarnation + 1), self.inputs.fd, self.outputs.fd)
+        boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index])
+        slot.spawn(self.ctx, boot, self.inputs.fd, self.outputs.fd)
+
+    def respawn(self, slot: Slot) -> None:
+        """Rebuild a dead slot now (no back-off)."""
+        slot.respawn_at = None
+        self._spawn(slot)
+
+    def replace_slot(self, slot: Slot, *, drain: bool) -> None:
+        """Rebuild a live slot on its (new) spec: after what it holds (drain), or at once,
+        handing its tasks back to the queue uncharged."""
+        if slot.process is None:
+            if slot.state is SlotState.DEAD:
+                self.respawn(slot)
+            return
+        if slot.state is SlotState.STARTING:  # holds nothing yet: restart it on the new spec
+            slot.kill("reload", grace=1.0)
+            return
+        slot.retiring = True
+        if drain:
+            self._maybe_retire(slot)
+        else:
+            slot.kill("reload", grace=1.0)
 
     # -- the caller's side ---------------------------------------------------------------------
 
@@ -200,6 +226,8 @@ class Supervisor:
             log.exception("supervisor failed")
             self._fail(E.EngineInternalError(f"supervisor thread failed: {exc!r}"))
         finally:
+            if self.reload is not None:
+                self.reload.abort(E.EngineClosed("the engine closed during the reload"))
             self._shutdown_slots()
             self._flush()
             del self.status  # the last view into an arena: they can be unmapped now
@@ -287,6 +315,8 @@ class Supervisor:
                 self.info = self.info or msg.info
                 slot.info = msg.info
                 slot.model_version = msg.info.model_digest
+            if self.reload is not None:
+                self.reload.on_ready(self, slot)
         elif isinstance(msg, InitFailed):
             slot.init_error = msg.error
 
@@ -373,9 +403,11 @@ class Supervisor:
         if slot.state is not SlotState.DEAD:
             slot.move(SlotState.DEAD)
         if was_starting and expected is None:
+            if self.reload is not None and self.reload.on_start_failed(self, slot, self._init_error(slot, code)):
+                return
             self._on_startup_death(slot, code)
             return
-        if expected in ("retire", "shutdown"):
+        if expected in ("retire", "shutdown", "reload"):
             log.info("slot %d retired (pid %d)", slot.index, pid)
         else:
             slot.restarts += 1
@@ -679,6 +711,16 @@ class Supervisor:
                 for t in b.tasks:
                     self._finish(t, error=_cancelled(t, reason, "closed"))
             slot.kill("shutdown", grace=0.2)
+
+    def _cmd_reload(self, plan: Reload) -> None:
+        if self.reload is not None:
+            plan.abort(E.EngineError("a reload is already in progress"))
+            return
+        if self.closing is not None or self.failure is not None:
+            plan.abort(E.EngineClosed("the engine is closing"))
+            return
+        self.reload = plan
+        plan.start(self)
 
     def _cmd_call(self, fn: Callable[[Supervisor], Any]) -> Any:
         return fn(self)
