@@ -32,6 +32,7 @@ class Counters:
     replayed: int = 0
     quarantined: int = 0
     timeouts: int = 0
+    stacked_batches: int = 0
 
 
 class TaskQueue:

@@ -341,7 +341,7 @@ class Engine(AsyncEngineMixin):
             self._state.name, slots, len(self._queue), *counts,
             restarts=sum(s.restarts for s in slots),
             shm_inputs_used=self._inputs.used, shm_outputs_used=self._outputs.used,
-            shm_capacity=self._inputs.capacity,
+            shm_capacity=self._inputs.capacity, stacked_batches=c.stacked_batches,
         )
 
     def metrics_text(self) -> str:

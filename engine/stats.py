@@ -49,3 +49,4 @@ class EngineStats:
     shm_inputs_used: int
     shm_outputs_used: int
     shm_capacity: int  # per arena
+    stacked_batches: int = 0  # session calls that ran several tasks stacked (dynamic batching)

@@ -558,7 +558,8 @@ class Supervisor:
                 continue
             live = sum(s.can_take for s in self.slots)  # the queue is shared by every slot, not
             # only those open right now: a group sized for one open slot would starve the rest
-            budget = min(budget, self._group_limit())
+            if self.cfg.max_batch_size <= 1:  # unstacked groups; a stacked batch is sized in items
+                budget = min(budget, self._group_limit())
             got = self.queue.take(self.cfg.max_batch_size, wait_s, now, live, budget)
             if got is None:
                 return
@@ -604,6 +605,8 @@ class Supervisor:
         if not batch.tasks:
             return
         slot.batches.append(batch)
+        if batch.stack:
+            self._count("stacked_batches")
         if slot.state is SlotState.READY:
             slot.move(SlotState.BUSY)
         out = self._lease_predicted(batch, ahead=len(slot.batches) > 1)
