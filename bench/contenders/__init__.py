@@ -21,7 +21,7 @@ __all__ = ["ALTERNATIVES", "Contender", "Done", "Skipped", "lineup", "serial"]
 BATCH = 32  # slabpool+batch: max_batch_size on tiny workloads
 
 # Every contender the report compares slabpool against (serial is the reference, not one).
-ALTERNATIVES = ("ort-threads", "ProcessPoolExecutor", "loky", "pebble", "mp.Pool", "ray")
+ALTERNATIVES = ("ort-threads", "ProcessPoolExecutor", "loky", "pebble", "mp.Pool", "ray", "slabpool-ray")
 
 
 def lineup(window_per_worker: int, tiny: bool) -> list[Callable[[], Contender]]:
@@ -31,5 +31,6 @@ def lineup(window_per_worker: int, tiny: bool) -> list[Callable[[], Contender]]:
         makers.append(lambda: Slabpool(window_per_worker, batch=BATCH))
     for cls in (Executor, Loky, Pebble, MpPool, Ray):
         makers.append(lambda cls=cls: cls(window_per_worker))  # type: ignore[misc]
+    makers.append(lambda: Slabpool(window_per_worker, cluster="ray"))  # the Ray backend
     return makers
 

@@ -6,15 +6,17 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from bench.contenders.base import Done, FutureHandle, windowed
+from bench.contenders.base import Done, FutureHandle, Skipped, windowed
 
 
 class Slabpool:
-    def __init__(self, window_per_worker: int, batch: int = 1) -> None:
+    def __init__(self, window_per_worker: int, batch: int = 1, cluster: str = "local") -> None:
         self.name = "slabpool+batch" if batch > 1 else "slabpool"
         self.note = (f"Engine(forkserver, max_batch_size={batch}, max_batch_wait_ms=2)" if batch > 1
                      else "Engine(forkserver), no batching")
-        self._per_worker, self._batch = window_per_worker, batch
+        if cluster == "ray":
+            self.name, self.note = "slabpool-ray", "Engine(cluster='ray'): slots are Ray actors, our ledger replays"
+        self._per_worker, self._batch, self._cluster = window_per_worker, batch, cluster
         self.engine: Any = None
         self._window = 1
 
@@ -25,6 +27,14 @@ class Slabpool:
         kw: dict[str, Any] = {}
         if self._batch > 1:  # the queue must hold enough tasks to fill batches
             kw = {"max_batch_size": self._batch, "max_batch_wait_ms": 2.0, "queue_capacity": self._window}
+        if self._cluster == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError as exc:
+                raise Skipped(f"ray is not importable ({exc}); pip install 'slabpool[ray]'") from exc
+            kw.update(cluster="ray", address="local")  # a private instance, never another's cluster
+            self.engine = Engine(model, workers=workers, **kw)
+            return
         self.engine = Engine(model, workers=workers, start_method="forkserver", **kw)
 
     def run(self, items: Sequence[Any]) -> Iterator[Done]:
@@ -37,6 +47,8 @@ class Slabpool:
             yield Done(done.outputs.outputs, done.latency)
 
     def sample(self) -> dict[str, float]:
+        if self._cluster == "ray":
+            return {}
         st = self.engine.stats()
         rss = [_rss(s.pid) for s in st.slots if s.pid]
         return {
