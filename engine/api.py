@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import multiprocessing
 import os
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -18,22 +15,22 @@ import psutil
 
 from engine import errors as E
 from engine.admission import TaskQueue, superseded_error
-from engine.aio import AsyncEngineMixin
 from engine.config import EngineConfig, resolve
+from engine.frontend import Frontend
 from engine.metrics import Metrics, render
 from engine.reload import Reload
 from engine.states import EngineState, TaskState
-from engine.stats import EngineStats, ModelDescription, SlotStats
+from engine.stats import EngineStats, SlotStats
 from engine.supervisor import Supervisor
 from engine.task import Result, Task
 from shm import Arena, CapacityError, InstanceLock, check_capacity, new_instance_id, sweep_dead_instances
-from workers import contract, packing
+from workers import packing
 from workers.main import WorkerBoot
-from workers.protocol import FaultSpec, TensorSpec
+from workers.protocol import FaultSpec, SessionInfo
 from workers.session import SessionSpec, detect_backend
 
 
-class Engine(AsyncEngineMixin):
+class Engine(Frontend):
     """A pool of worker processes, one model session each, fed through shared memory.
 
         with Engine("model.onnx", workers=4) as eng:
@@ -82,10 +79,8 @@ class Engine(AsyncEngineMixin):
             self._release_shm()
             raise
         self._sup.on_stopped = self._on_stopped
-        info = self._sup.info
-        self._specs: tuple[TensorSpec, ...] = info.inputs if info else ()
-        self.model_version = info.model_digest if info else ""
-        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
+        self._control = self._sup
+        self._set_specs(self._sup.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
 
     def _boot(self, slot: int, incarnation: int, spec: SessionSpec | None) -> WorkerBoot:
@@ -169,26 +164,6 @@ class Engine(AsyncEngineMixin):
         fut.add_done_callback(self._on_future_done)
         return fut
 
-    def _admit(self, inputs: Any) -> tuple[Any, tuple[Any, ...], int]:
-        """Check the input contract at the door (no preprocess); return item, batch key, items."""
-        if self.config.preprocess is not None or not self._specs:
-            return inputs, ("item",), 1
-        feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
-        key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
-        items = next(iter(feeds.values())).shape[0] if self._batchable else 1
-        return feeds, key, items
-
-    def _seed(self, task_id: int) -> int:
-        digest = hashlib.blake2b(f"{self.config.seed}:{task_id}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
-
-    def _on_future_done(self, fut: Future[Result]) -> None:
-        """Future.cancel() on a queued task: take it out of the queue, free its lease now."""
-        if fut.cancelled():
-            task: Task = fut.slabpool_task  # type: ignore[attr-defined]
-            if self._queue.discard(task):
-                self._end_queued(task, None)
-
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         """End a task that a caller thread took out of the queue (it never reached a slot)."""
         task.move(TaskState.CANCELLED)
@@ -199,57 +174,6 @@ class Engine(AsyncEngineMixin):
             task.lease = None
         if error is not None:
             task.future.set_exception(error)
-
-    # -- the rest of the caller's API -----------------------------------------------------------
-
-    def infer(self, inputs: Any, **kw: Any) -> Any:
-        """Submit and wait: the outputs (dict name -> array, or what postprocess returned)."""
-        return self.submit(inputs, **kw).result().outputs
-
-    def map(
-        self,
-        items: Iterable[Any],
-        *,
-        window: int | None = None,
-        return_exceptions: bool = False,
-        context: dict[str, Any] | None = None,
-    ) -> Iterator[Any]:
-        """Results in submission order, at most `window` tasks in flight (memory stays bounded).
-
-        A failed task raises at its position, unless `return_exceptions` yields the error instead.
-        """
-        window = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
-        futs: deque[Future[Result]] = deque()
-        try:
-            for item in items:
-                futs.append(self.submit(item, context=context))
-                if len(futs) >= window:
-                    yield self._outcome(futs.popleft(), return_exceptions)
-            while futs:
-                yield self._outcome(futs.popleft(), return_exceptions)
-        finally:
-            for f in futs:
-                f.cancel()
-
-    @staticmethod
-    def _outcome(fut: Future[Result], return_exceptions: bool) -> Any:
-        if not return_exceptions:
-            return fut.result()
-        try:
-            return fut.result()
-        except BaseException as exc:  # noqa: BLE001
-            return exc
-
-    def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
-        """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
-        with TaskCancelled now; its buffers are freed once the run really ends); with
-        `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay."""
-        if future.cancel():
-            return True
-        task: Task | None = getattr(future, "slabpool_task", None)
-        if task is None or future.done():
-            return False
-        return bool(self._sup.command("cancel", (task, kill)))
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; drain (or cancel what is queued); stop every worker; free shared memory.
@@ -291,10 +215,7 @@ class Engine(AsyncEngineMixin):
             raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
         if plan.error is not None:
             raise plan.error
-        assert plan.info is not None
-        self._specs = plan.info.inputs
-        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
-        self.model_version = plan.info.model_digest
+        self._set_specs(plan.info)
         return self.model_version
 
     def _on_stopped(self) -> None:
@@ -313,36 +234,19 @@ class Engine(AsyncEngineMixin):
         if self._lock is not None:
             self._lock.release()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close(cancel_pending=exc_type is not None)
-
     # -- looking inside -------------------------------------------------------------------------
-
-    @property
-    def state(self) -> EngineState:
-        return self._state
-
-    def describe(self) -> ModelDescription:
-        info = self._sup.info
-        if info is None:
-            return ModelDescription((), (), "", "", "", False)
-        return ModelDescription(info.inputs, info.outputs, info.runtime, info.runtime_version,
-                                info.model_digest, self._batchable)
 
     def stats(self) -> EngineStats:
         slots = tuple(_slot_stats(s) for s in self._sup.slots)
-        c = self._queue.counters
-        with self._queue.lock:
-            counts = (c.accepted, c.completed, c.failed, c.cancelled, c.replayed, c.quarantined, c.timeouts)
         return EngineStats(
-            self._state.name, slots, len(self._queue), *counts,
+            self._state.name, slots, len(self._queue), **self._counts(),
             restarts=sum(s.restarts for s in slots),
             shm_inputs_used=self._inputs.used, shm_outputs_used=self._outputs.used,
-            shm_capacity=self._inputs.capacity, stacked_batches=c.stacked_batches,
+            shm_capacity=self._inputs.capacity,
         )
+
+    def _info(self) -> SessionInfo | None:
+        return self._sup.info
 
     def metrics_text(self) -> str:
         return render(self)

@@ -28,15 +28,13 @@ and running tasks; it sleeps on one inbox that Ray's completion callbacks and ca
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,13 +48,14 @@ from engine import errors as E
 from engine.admission import TaskQueue, superseded_error
 from engine.config import EngineConfig, resolve
 from engine.errors import Crash
+from engine.frontend import Frontend
 from engine.states import EngineState, SlotState, TaskState
-from engine.stats import EngineStats, ModelDescription, SlotStats
+from engine.stats import EngineStats, SlotStats
 from engine.supervisor import _task_error  # one mapping RemoteError -> TaskError for both backends
 from engine.task import Batch, Result, Task, Timings
 from workers import contract, faults
 from workers.main import _seed, remote_error  # the worker's own seeding: a replay draws the same numbers
-from workers.protocol import FaultSpec, Packed, RemoteError, SessionInfo, TensorSpec
+from workers.protocol import FaultSpec, Packed, RemoteError, SessionInfo
 from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
 
 log = logging.getLogger("engine.ray")
@@ -204,7 +203,7 @@ class _RaySlot:
         return self.state in (SlotState.READY, SlotState.BUSY)
 
 
-class RayEngine:
+class RayEngine(Frontend):
     """`Engine(model, cluster="ray", workers=N, ...)`: the same API, slots are Ray actors.
 
     Ray-only settings: `address` (None: start a local Ray, or join the one this process already
@@ -247,10 +246,8 @@ class RayEngine:
         except BaseException:
             self._shutdown_ray()
             raise
-        info = self._ledger.info
-        self._specs: tuple[TensorSpec, ...] = info.inputs if info else ()
-        self.model_version = info.model_digest if info else ""
-        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
+        self._control = self._ledger
+        self._set_specs(self._ledger.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger)
 
     def _wake(self) -> None:
@@ -292,24 +289,6 @@ class RayEngine:
         fut.add_done_callback(self._on_future_done)
         return fut
 
-    def _admit(self, inputs: Any) -> tuple[Any, tuple[Any, ...], int]:
-        if self.config.preprocess is not None or not self._specs:
-            return inputs, ("item",), 1
-        feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
-        key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
-        items = next(iter(feeds.values())).shape[0] if self._batchable else 1
-        return feeds, key, items
-
-    def _seed(self, task_id: int) -> int:  # the same derivation as the local Engine
-        digest = hashlib.blake2b(f"{self.config.seed}:{task_id}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
-
-    def _on_future_done(self, fut: Future[Result]) -> None:
-        if fut.cancelled():
-            task: Task = fut.slabpool_task  # type: ignore[attr-defined]
-            if self._queue.discard(task):
-                self._end_queued(task, None)
-
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         task.move(TaskState.CANCELLED)
         with self._queue.lock:
@@ -318,43 +297,6 @@ class RayEngine:
             task.ref = None
         if error is not None:
             task.future.set_exception(error)
-
-    # -- the rest of the caller's API -----------------------------------------------------------
-
-    def infer(self, inputs: Any, **kw: Any) -> Any:
-        return self.submit(inputs, **kw).result().outputs
-
-    def map(
-        self,
-        items: Iterable[Any],
-        *,
-        window: int | None = None,
-        return_exceptions: bool = False,
-        context: dict[str, Any] | None = None,
-    ) -> Iterator[Any]:
-        """Results in submission order, at most `window` tasks in flight."""
-        window = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
-        futs: deque[Future[Result]] = deque()
-        try:
-            for item in items:
-                futs.append(self.submit(item, context=context))
-                if len(futs) >= window:
-                    yield _outcome(futs.popleft(), return_exceptions)
-            while futs:
-                yield _outcome(futs.popleft(), return_exceptions)
-        finally:
-            for f in futs:
-                f.cancel()
-
-    def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
-        """Queued: it never runs. Running: its result is dropped (TaskCancelled now); with
-        `kill=True` its actor is killed and restarted, and the actor's other tasks replay."""
-        if future.cancel():
-            return True
-        task: Task | None = getattr(future, "slabpool_task", None)
-        if task is None or future.done():
-            return False
-        return bool(self._ledger.command("cancel", (task, kill)))
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; drain (or cancel what is queued); kill the actors; shut Ray down if
@@ -385,33 +327,16 @@ class RayEngine:
             self._owns_ray = False
             ray.shutdown()
 
-    def __enter__(self) -> RayEngine:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close(cancel_pending=exc_type is not None)
-
     # -- looking inside -------------------------------------------------------------------------
-
-    @property
-    def state(self) -> EngineState:
-        return self._state
-
-    def describe(self) -> ModelDescription:
-        info = self._ledger.info
-        if info is None:
-            return ModelDescription((), (), "", "", "", False)
-        return ModelDescription(info.inputs, info.outputs, info.runtime, info.runtime_version,
-                                info.model_digest, self._batchable)
 
     def stats(self) -> EngineStats:
         slots = tuple(_slot_stats(s) for s in self._ledger.slots)
-        c = self._queue.counters
-        with self._queue.lock:
-            counts = (c.accepted, c.completed, c.failed, c.cancelled, c.replayed, c.quarantined, c.timeouts)
-        return EngineStats(self._state.name, slots, len(self._queue), *counts,
+        return EngineStats(self._state.name, slots, len(self._queue), **self._counts(),
                            restarts=sum(s.restarts for s in slots),
                            shm_inputs_used=0, shm_outputs_used=0, shm_capacity=0)
+
+    def _info(self) -> SessionInfo | None:
+        return self._ledger.info
 
     def placement(self) -> list[tuple[int, str, int]]:
         """(slot, Ray node id, actor pid) of each slot's current incarnation."""
@@ -434,13 +359,7 @@ def _check_supported(cfg: EngineConfig, given: Mapping[str, Any]) -> None:
             log.debug("%s has no meaning on the Ray backend; ignored", name)
 
 
-def _outcome(fut: Future[Result], return_exceptions: bool) -> Any:
-    if not return_exceptions:
-        return fut.result()
-    try:
-        return fut.result()
-    except BaseException as exc:  # noqa: BLE001
-        return exc
+
 
 
 def _slot_stats(s: _RaySlot) -> SlotStats:
