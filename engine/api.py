@@ -68,7 +68,7 @@ class Engine(Frontend):
         except CapacityError as exc:
             self._release_shm()
             raise E.ShmCapacityError(str(exc), needed=exc.needed, available=exc.available) from None
-        self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, self._wake)
+        self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, self._wake, cfg.queue_bytes)
         self._sup = Supervisor(
             cfg, self._queue, self._inputs, self._outputs,
             multiprocessing.get_context(cfg.start_method), self._boot, self._metrics,
@@ -129,7 +129,7 @@ class Engine(Frontend):
                 f"the inputs take {nbytes} bytes but the input arena holds {self._inputs.capacity} "
                 "bytes; raise shm_capacity", needed=nbytes, available=self._inputs.capacity)
         t_start = time.monotonic()
-        for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
+        for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None, nbytes):
             self._end_queued(old, superseded_error(old))
         try:
             lease = None
@@ -145,14 +145,14 @@ class Engine(Frontend):
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
-            self._queue.unreserve()
+            self._queue.unreserve(nbytes)
             raise
         fut: Future[Result] = Future()
         abs_deadline = None if deadline is None else time.monotonic() + deadline
 
         def make(task_id: int) -> Task:
             return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, _fault, copy_in_s=copy_s)
+                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes)
 
         try:
             task = self._queue.accept(make)

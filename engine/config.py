@@ -52,6 +52,7 @@ class EngineConfig:
     max_batch_wait_ms: float = 2.0
     inflight_per_slot: int = 2
     shm_capacity: int = 0  # bytes per arena (inputs, outputs); 0: the default
+    queue_bytes: int = 64 * MiB  # input bytes that may wait in the queue (one task always fits)
     shm_backend: Literal["memfd", "posix"] = "memfd"
     startup_timeout: float = 120.0
     fault_injection: bool = False

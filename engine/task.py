@@ -52,6 +52,7 @@ class Task:
     fault: FaultSpec | None
     accepted_at: float = field(default_factory=time.monotonic)
     copy_in_s: float = 0.0
+    nbytes: int = 0  # its inputs' bytes in shared memory
     state: TaskState = TaskState.QUEUED
     attempts: int = 0
     crashes: list[Crash] = field(default_factory=list)

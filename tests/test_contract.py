@@ -355,3 +355,20 @@ def test_context_is_bound_per_task_and_cleared_on_every_exit_path(models):
             failing.result(timeout=30)
         assert b.result(timeout=30).outputs == {"seen": {}}  # never the previous task's
         balanced(eng)
+
+
+def test_queued_input_bytes_are_bounded_too(models, tmp_path):
+    """queue_bytes bounds the inputs waiting in the queue; a single large task always fits."""
+    gate = Gate(tmp_path)
+    mib = np.zeros(1 << 17)  # 1 MiB of float64 riding along with each item
+    with gated_engine(models, queue_capacity=100, admission="reject", queue_bytes=3 << 20) as eng:
+        running = eng.submit(gate.item(0, pad=mib))
+        wait_until(running.running)
+        queued = [eng.submit(gate.item(i, pad=mib)) for i in (1, 2)]
+        with pytest.raises(QueueFull, match="bytes"):
+            eng.submit(gate.item(3, pad=mib))  # 3 MiB would be over the bound
+        gate.open()
+        assert all(f.result(timeout=30) for f in [running, *queued])
+        big = eng.submit(gate.item(4, pad=np.zeros(1 << 20)))  # 8 MiB alone in the queue: fits
+        assert big.result(timeout=30).attempts == 1
+        balanced(eng)
