@@ -12,13 +12,17 @@
        a  slot k -> DEAD; the process is reaped before any lease it held is reused
        b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready
        c  its tasks replay in acceptance order, attempt + 1 (the same batch composition)
-       d  a task in hand when max_attempts workers died ends as PoisonTask; nothing else fails
+       d  only what was running is charged: the task named by the slot's status word in
+          shared memory (or a whole stacked batch, bisected if it kills again); a task
+          charged max_attempts times ends as PoisonTask; nothing else fails
 
 Actors:
 - `Engine` (engine.api): the caller's API. Steps 1-2 run in the caller's thread; the
   admission queue (engine.admission) bounds what is accepted and not yet running.
 - `Supervisor` (engine.supervisor): one thread; the only one that touches slots and running
-  tasks. It waits on every pipe and process sentinel in one `connection.wait()`.
+  tasks. It waits on every pipe, every process sentinel and a wake-up pipe in one selector.
+  Tiny tasks go to a slot in groups (one message each way); with max_batch_size they are
+  stacked into one session call. Hot model swaps: engine.reload.
 - `Slot` (engine.slot): one worker process and its private pipe (one per incarnation).
 - `workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
 - `shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
