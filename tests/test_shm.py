@@ -1,0 +1,128 @@
+"""shm: the allocator against a brute-force model, arenas with real memfds and POSIX segments,
+leases, capacity errors, and the sweep of names left by a dead instance."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from shm import Arena, CapacityError, InstanceLock, LeaseError, Mapping, sweep_dead_instances
+from shm.alloc import ALIGN, RangeAllocator
+
+
+def test_allocator_never_overlaps_and_coalesces_back_to_one_range():
+    rnd = random.Random(0)
+    alloc = RangeAllocator(1 << 16)
+    live: dict[int, int] = {}
+    for _ in range(5000):
+        if live and rnd.random() < 0.5:
+            off = rnd.choice(list(live))
+            alloc.free(off)
+            del live[off]
+        else:
+            size = rnd.randint(1, 3000)
+            off = alloc.allocate(size)
+            if off is None:
+                continue
+            assert off % ALIGN == 0
+            for o, s in live.items():  # no overlap with any live range
+                assert off + size <= o or o + s <= off
+            live[off] = size
+    for off in list(live):
+        alloc.free(off)
+    assert alloc.used == 0 and alloc.largest_free == 1 << 16
+    with pytest.raises(KeyError, match="double free"):
+        alloc.free(0)
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_arena_leases_views_and_double_release(backend):
+    arena = Arena("t", 4 << 20, backend=backend, instance="test", commit_step=1 << 20)
+    try:
+        a, b = arena.lease(1000), arena.lease(1 << 20)
+        assert a.offset % 64 == 0 and b.offset >= a.offset + 1000
+        view = arena.array(a.offset, np.dtype("<f4"), (250,))
+        view[:] = 7
+        assert arena.committed >= b.offset + (1 << 20)  # grown (fallocate + pre-fault) on demand
+        arena.release(a)
+        with pytest.raises(LeaseError):
+            arena.release(a)
+        with pytest.raises(CapacityError):
+            arena.lease(8 << 20)
+        with pytest.raises(TimeoutError):
+            arena.lease(4 << 20, timeout=0.05)  # would fit an empty arena, but b holds 1 MiB
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(arena.lease(3 << 20, timeout=30)))
+        t.start()
+        arena.release(b)  # wakes the waiter
+        t.join(30)
+        assert got and got[0].nbytes == 3 << 20
+        del view
+    finally:
+        arena.close()
+    assert not [n for n in os.listdir("/dev/shm") if "slabpool-test" in n]  # never a name left
+
+
+def test_a_worker_mapping_reads_what_the_supervisor_wrote_and_cannot_resize_it():
+    arena = Arena("t", 1 << 20, instance="test")
+    try:
+        lease = arena.lease(64)
+        arena.array(lease.offset, np.dtype("<i8"), (8,))[:] = np.arange(8)
+        fd = os.dup(arena.fd)
+        m = Mapping(os.dup(fd), arena.capacity, writable=False)
+        assert list(m.array(lease.offset, np.dtype("<i8"), (8,))) == list(range(8))
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # sealed: no holder can shrink it under the others (SIGBUS)
+        with pytest.raises(ValueError, match="read-only"):
+            m.array(lease.offset, np.dtype("<i8"), (8,))[0] = 1  # read-only for inputs
+        os.close(fd)
+        del m
+    finally:
+        arena.close()
+
+
+DEAD_OWNER = textwrap.dedent(
+    """
+    import os, sys, time
+    from shm import InstanceLock
+    lock = InstanceLock(sys.argv[1])
+    fd = os.open("/dev/shm/slabpool-" + sys.argv[1] + "-in-leftover", os.O_CREAT | os.O_RDWR, 0o600)
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_sweep_removes_names_of_a_dead_instance_only(tmp_path):
+    live = InstanceLock("liveone")
+    live_seg = "/dev/shm/slabpool-liveone-in-x"
+    open(live_seg, "w").close()
+    script = tmp_path / "owner.py"
+    script.write_text(DEAD_OWNER)
+    proc = subprocess.Popen([sys.executable, str(script), "deadone"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert sweep_dead_instances() == []  # the owner is alive: its lock is held
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        swept = sorted(sweep_dead_instances())
+        assert swept == ["slabpool-deadone-in-leftover", "slabpool-deadone.lock"]
+        assert os.path.exists(live_seg)  # a live instance's names are never touched
+    finally:
+        proc.stdout.close()
+        os.unlink(live_seg)
+        live.release()
+
+
+def test_mmap_page_alignment_assumption():
+    assert mmap.PAGESIZE % ALIGN == 0
