@@ -25,9 +25,11 @@ from typing import Any
 import numpy as np
 
 from engine import errors as E
+from engine import recovery
 from engine.admission import MAX_GROUP, TaskQueue
 from engine.config import EngineConfig
 from engine.errors import Crash, crash_hint, describe_exit
+from engine.recovery import IDLE
 from engine.reload import Reload
 from engine.slot import Slot
 from engine.states import SlotState, TaskState
@@ -52,7 +54,6 @@ from workers.protocol import (
 from workers.session import SessionSpec
 
 log = logging.getLogger("engine")
-IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
 GROUP_TARGET_S = 0.002  # a group of tiny tasks runs about this long
 MAX_STARTUP_FAILURES = 5
 
@@ -426,63 +427,24 @@ class Supervisor:
             slot.move(SlotState.STOPPED)
 
     def _settle_held(self, held: list[Batch], expected: str | None, crash: Crash, running_id: int) -> list[Batch]:
-        """Decide the fate of a dead slot's batches. Only what was running is charged: the
-        task named by the slot's status word, or a whole stacked batch. A stacked batch first
-        replays with the same composition (byte-identical), and is bisected if it kills again."""
-        replays: list[Batch] = []
-        for i, batch in enumerate(held):
-            live = [t for t in batch.tasks if t.state is TaskState.RUNNING]
+        """Apply recovery.settle: time out, quarantine, free what ended, requeue the rest."""
+        plan = recovery.settle(held, expected, crash, running_id, self.cfg.max_attempts)
+        for batch in held:
             for t in batch.tasks:
-                t.in_batch = None
-            head = i == 0 and batch.started_at is not None
-            if head and batch.stack and running_id == STACKED:
-                culprits = live
-            elif head:
-                culprits = [t for t in live if t.id == running_id] or (live if len(live) == 1 else [])
-            else:
-                culprits = []
-            if culprits and expected == "timeout":
-                for t in culprits:
-                    self._finish(t, error=E.TaskTimeout(
-                        f"task {t.id} ran past task_timeout={self.cfg.task_timeout} s; its slot was rebuilt",
-                        task_id=t.id))
-                live = [t for t in live if t not in culprits]
-            elif culprits and expected is None:  # d: a crash counts against what was running
-                batch.crashes += 1
-                for t in culprits:
-                    t.crashes.append(crash)
-                if len(culprits) == 1 and len(culprits[0].crashes) >= self.cfg.max_attempts:
-                    self._quarantine(culprits[0])
-                    live = [t for t in live if t is not culprits[0]]
-            elif head and expected is None and len(live) > 1:
-                batch.crashes += 1  # died between tasks of a group: nobody to charge
+                t.in_batch = None  # the process is reaped: nothing reads these inputs now
+        for t in plan.timed_out:
+            self._finish(t, error=E.TaskTimeout(
+                f"task {t.id} ran past task_timeout={self.cfg.task_timeout} s; its slot was rebuilt", task_id=t.id))
+        for t in plan.poisoned:
+            self._quarantine(t)
+        for batch in held:
             for t in batch.tasks:
                 if t.state.is_terminal and t.lease is not None:
                     self._release_input(t)
-            replays += self._regroup(batch, live, culprits)
-        for b in replays:
+        for b in plan.replays:
             for t in b.tasks:
                 t.move(TaskState.QUEUED)
-        return replays
-
-    @staticmethod
-    def _regroup(batch: Batch, live: list[Task], culprits: list[Task]) -> list[Batch]:
-        if not live:
-            return []
-        if batch.stack:
-            if batch.crashes >= 2 and len(live) > 1:  # the same batch killed twice: bisect
-                half = len(live) // 2
-                return [Batch(live[:half], stack=half > 1), Batch(live[half:], stack=len(live) - half > 1)]
-            same = len(live) == len(batch.tasks)
-            return [Batch(live, stack=len(live) > 1, crashes=batch.crashes if same else 0)]
-        if culprits:  # a group: the culprit alone (a second death then isolates it)
-            c = culprits[0]
-            parts = ([t for t in live if t.id < c.id], [c] if c in live else [], [t for t in live if t.id > c.id])
-            return [Batch(p, stack=False) for p in parts if p]
-        if batch.crashes >= 2 and len(live) > 1:  # died between tasks twice: bisect
-            half = len(live) // 2
-            return [Batch(live[:half], stack=False), Batch(live[half:], stack=False)]
-        return [Batch(live, stack=False, crashes=batch.crashes)]
+        return plan.replays
 
     def _quarantine(self, task: Task) -> None:
         crashes = ", ".join(f"slot {c.slot} pid {c.pid} {c.signal}" for c in task.crashes)
