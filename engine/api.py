@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import threading
@@ -85,8 +86,6 @@ class Engine(Frontend):
 
     def _boot(self, slot: int, incarnation: int, spec: SessionSpec | None) -> WorkerBoot:
         cfg = self.config
-        import logging
-
         return WorkerBoot(
             slot=slot,
             incarnation=incarnation,
