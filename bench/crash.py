@@ -63,9 +63,6 @@ class _Current:
 
     def abort(self) -> None:
         if self.engine is not None:
-            from bench.contenders.slabpool import unstick
-
-            unstick(self.engine)
             self.engine.close(cancel_pending=True, timeout=5.0)
 
 

@@ -43,8 +43,6 @@ class Slot:
         self.retiring = False
         self.rss = 0
         self.model_version = ""
-        self.spawned_at = 0.0
-        self.last_done_at = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -69,7 +67,6 @@ class Slot:
         self.init_error = None
         self.kill_reason = self.kill_escalate_at = self.respawn_at = None
         self.retiring = False
-        self.spawned_at = time.monotonic()
         self.move(SlotState.STARTING)
 
     def send(self, msg: Any) -> bool:

@@ -327,7 +327,6 @@ class Supervisor:
             return
         batch = slot.batches.popleft()
         now = time.monotonic()
-        slot.last_done_at = now
         slot.tasks_done += len(batch.tasks)
         slot.incarnation_done += len(batch.tasks)
         slot.rss = msg.rss or slot.rss
@@ -686,9 +685,6 @@ class Supervisor:
             return
         self.reload = plan
         plan.start(self)
-
-    def _cmd_call(self, fn: Callable[[Supervisor], Any]) -> Any:
-        return fn(self)
 
     # -- endings --------------------------------------------------------------------------------
 

@@ -64,7 +64,3 @@ class RangeAllocator:
         if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:
             self._sizes[i - 1] += self._sizes.pop(i)
             del self._starts[i]
-
-    def high_water(self) -> int:
-        """One past the last allocated byte (0 when nothing is allocated)."""
-        return max((off + size for off, size in self._used.items()), default=0)

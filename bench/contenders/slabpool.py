@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -61,7 +60,6 @@ class Slabpool:
     def abort(self) -> None:
         """From the watchdog's thread: fail what is blocked, drop what is queued."""
         if self.engine is not None:
-            unstick(self.engine)
             self.engine.close(cancel_pending=True, timeout=5.0)
 
     def close(self) -> None:
@@ -83,17 +81,3 @@ def _rss(pid: int) -> tuple[int, int]:
         return 0, 0
     return fields.get("VmRSS", 0), fields.get("RssShmem", 0)
 
-
-def unstick(engine: Any) -> None:
-    """Workaround, used only once a hang is detected: write the supervisor's wake-up byte
-    directly. Supervisor.wake() coalesces wake-ups with a `_wake_pending` flag that `_step`
-    clears *before* reading the pipe; a wake() between the two leaves the flag set and the
-    pipe empty, and every later wake() (new tasks, close()) is skipped: a lost wake-up.
-    Remove once the engine clears the flag after reading."""
-    sup = getattr(engine, "_sup", None)
-    fd = getattr(sup, "_wake_w", None)
-    if fd is not None:
-        try:
-            os.write(fd, b"\0")
-        except OSError:
-            pass
