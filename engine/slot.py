@@ -20,6 +20,7 @@ from engine.task import Batch
 from shm.mapping import PassFd
 from workers.main import WorkerBoot, main
 from workers.protocol import SessionInfo, encode
+from workers.wire import FrameReader
 
 
 class Slot:
@@ -29,6 +30,7 @@ class Slot:
         self.incarnation = 0
         self.process: BaseProcess | None = None
         self.conn: Connection | None = None
+        self.reader: FrameReader | None = None  # reads conn's frames in bulk
         self.pid = 0
         self.info: SessionInfo | None = None
         self.batches: deque[Batch] = deque()
@@ -62,6 +64,7 @@ class Slot:
         proc.start()
         child.close()
         self.process, self.conn, self.pid = proc, parent, proc.pid or 0
+        self.reader = FrameReader(parent.fileno())
         self.batches.clear()
         self.incarnation_done = 0
         self.init_error = None
@@ -106,7 +109,7 @@ class Slot:
         if self.conn is not None:
             self.conn.close()
         self.process.close()
-        self.process, self.conn = None, None
+        self.process, self.conn, self.reader = None, None, None
         return code
 
     # -- views --------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from workers.protocol import (
     decode,
 )
 from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
+from workers.wire import FrameReader
 from workers.worklog import Outbox, install_pipe_logging, task_fields
 
 log = logging.getLogger("workers")
@@ -120,7 +121,8 @@ class Worker:
         outputs: Mapping,
         session: ModelSession | None,
     ) -> None:
-        self.boot, self.conn, self.outbox = boot, conn, outbox
+        self.boot, self.outbox = boot, outbox
+        self.conn = FrameReader(conn.fileno())  # conn stays open (and sends, via the outbox)
         self.inputs, self.outputs, self.session = inputs, outputs, session
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
         # the task in hand, for the supervisor to read if this process dies
@@ -129,7 +131,7 @@ class Worker:
     def loop(self) -> None:
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(self.conn.recv_bytes())
+                msg = self.pending.popleft() if self.pending else decode(self.conn.recv())
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
@@ -280,14 +282,14 @@ class Worker:
         """A region of at least `nbytes` for this batch. The grant may already wait in the pipe
         (sent when the batch became its slot's head); else ask. Smaller grants are stale."""
         while self.conn.poll():
-            self.pending.append(decode(self.conn.recv_bytes()))
+            self.pending.append(decode(self.conn.recv()))
         for msg in [m for m in self.pending if isinstance(m, OutputGrant)]:
             self.pending.remove(msg)
             if msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
                 return msg.offset, msg.error
         self.outbox.send(NeedOutput(batch_id, nbytes))
         while True:
-            msg = decode(self.conn.recv_bytes())
+            msg = decode(self.conn.recv())
             if not isinstance(msg, OutputGrant):
                 self.pending.append(msg)
             elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
