@@ -49,6 +49,10 @@ class TaskQueue:
         self._next_id = 0
         self._closed: BaseException | None = None
         self._waiting = 0  # callers blocked for a place (notify only when someone waits)
+        self._deadlines = 0  # queued tasks with a deadline: no scan per step when there are none
+        # False while every slot is full: a new task can wait for the next completion (the
+        # supervisor takes from the queue then), so the caller does not wake the supervisor
+        self.hungry = True
         self.counters = Counters()
         self.lock = self._cond  # the counters' lock too
 
@@ -100,7 +104,11 @@ class TaskQueue:
             self._next_id += 1
             self._pending[task.id] = task
             self.counters.accepted += 1
-        self._wake()
+            if task.deadline is not None:
+                self._deadlines += 1
+            wake = self.hungry or task.deadline is not None
+        if wake:
+            self._wake()
         return task
 
     def discard(self, task: Task) -> bool:
@@ -122,6 +130,8 @@ class TaskQueue:
     def _take_out(self, task_id: int) -> Task:
         task = self._pending.pop(task_id)
         self._bytes -= task.nbytes
+        if task.deadline is not None:
+            self._deadlines -= 1
         return task
 
     def _notify(self) -> None:
@@ -153,6 +163,7 @@ class TaskQueue:
                 self._notify()  # replays count against capacity too: a place just freed up
                 return self._replays.pop(0)
             if not self._pending:
+                self.hungry = True  # under the lock: a task accepted after this wakes us
                 return None
             first = next(iter(self._pending.values()))
             if max_items <= 1 or first.items == 0:
@@ -168,6 +179,7 @@ class TaskQueue:
                 if count >= max_items or len(mates) >= max_tasks:
                     break
             if count < max_items and len(mates) < max_tasks and now < first.accepted_at + wait_s:
+                self.hungry = True  # each new mate may fill the batch: wake on it
                 return first.accepted_at + wait_s  # wait a little for more batch mates
             return self._pop_batch(mates, stack=len(mates) > 1)
 
@@ -187,6 +199,8 @@ class TaskQueue:
     def expire(self, now: float) -> list[Task]:
         """Queued tasks past their deadline, removed: they end with TaskTimeout, never start."""
         with self._cond:
+            if not self._deadlines:
+                return []
             gone = [t for t in self._pending.values() if t.deadline is not None and t.deadline <= now]
             for t in gone:
                 self._take_out(t.id)
@@ -196,6 +210,8 @@ class TaskQueue:
 
     def next_deadline(self) -> float | None:
         with self._cond:
+            if not self._deadlines:
+                return None
             return min((t.deadline for t in self._pending.values() if t.deadline is not None), default=None)
 
     def drain_all(self) -> list[Task]:
@@ -203,7 +219,7 @@ class TaskQueue:
         with self._cond:
             tasks = list(self._pending.values()) + [t for b in self._replays for t in b.tasks]
             self._pending.clear()
-            self._bytes = 0
+            self._bytes = self._deadlines = 0
             self._replays.clear()
             self._notify()
             return tasks

@@ -100,6 +100,7 @@ class Supervisor:
         self._watched: dict[int, tuple[Any, ...]] = {}
         self._watch_dirty = True  # set whenever a pipe or a process comes or goes
         self._completions: list[tuple[Future[Result], Any, BaseException | None]] = []
+        self._due: dict[str, int] = {}  # counts not yet published (see _count)
         self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
         self._task_s: float | None = None  # mean run time per task (EWMA), sizes groups
         self._thread = threading.Thread(target=self._run, name="slabpool-supervisor", daemon=True)
@@ -125,7 +126,7 @@ class Supervisor:
                     self._drain(slot)
                 if slot.process is not None and slot.process.sentinel in ready:
                     if slot.conn is not None:
-                        self._drain(slot)
+                        self._drain(slot, to_end=True)
                     self._abort_startup(self._init_error(slot, slot.reap()))
         self._thread.start()
 
@@ -288,13 +289,18 @@ class Supervisor:
 
     # -- messages from workers (steps 8-9) ------------------------------------------------------
 
-    def _drain(self, slot: Slot) -> None:
-        conn = slot.conn
-        assert conn is not None
+    def _drain(self, slot: Slot, to_end: bool = False) -> None:
+        """Handle what the worker sent: one read() when its pipe is readable; everything
+        that can be read when it is dead (`to_end`: what it sent before dying still counts)."""
+        conn, reader = slot.conn, slot.reader
+        assert conn is not None and reader is not None
         try:
-            while conn.poll():
-                self._on_message(slot, decode(conn.recv_bytes()))
+            frames = reader.read_to_end() if to_end else reader.read()
         except (EOFError, OSError):
+            frames = None
+        for frame in frames or ():
+            self._on_message(slot, decode(frame))
+        if frames is None:
             slot.conn = None  # the worker is gone; its sentinel will fire
             self._forget(conn.fileno())
             conn.close()
@@ -333,8 +339,9 @@ class Supervisor:
         per_task = msg.run_s / max(len(batch.tasks), 1)
         self._task_s = per_task if self._task_s is None else 0.9 * self._task_s + 0.1 * per_task
         used = 0
+        tasks = {t.id: t for t in batch.tasks}
         for outcome in msg.outcomes:
-            task = next(t for t in batch.tasks if t.id == outcome.task_id)
+            task = tasks[outcome.task_id]
             if outcome.error is not None:
                 self._finish(task, error=_task_error(task, outcome.error))
                 continue
@@ -387,7 +394,7 @@ class Supervisor:
 
     def _on_death(self, slot: Slot) -> None:
         if slot.conn is not None:
-            self._drain(slot)  # what it sent before dying still counts
+            self._drain(slot, to_end=True)  # what it sent before dying still counts
         expected = slot.kill_reason
         was_starting = slot.state is SlotState.STARTING
         pid = slot.pid
@@ -510,6 +517,7 @@ class Supervisor:
         while True:
             open_slots = [s for s in self.slots if s.can_take and len(s.batches) < depth]
             if not open_slots:
+                self.queue.hungry = False  # new tasks wait for a completion, which dispatches
                 return
             slot = min(open_slots, key=lambda s: len(s.batches))  # idle slots first
             budget = self._task_budget(slot)
@@ -603,10 +611,13 @@ class Supervisor:
             self.outputs.release(batch.out_lease)
             batch.out_lease = None
             self._grant_waiting()
+        done = []
         for t in batch.tasks:
             t.in_batch = None
             if t.lease is not None and t.state.is_terminal:
-                self._release_input(t)
+                done.append(t.lease)
+                t.lease = None
+        self.inputs.release_many(done)  # one lock for the batch
 
     def _grant_waiting(self) -> None:
         for slot in self.slots:
@@ -709,8 +720,8 @@ class Supervisor:
         self._completions.append((task.future, result, error))
 
     def _count(self, counter: str) -> None:
-        with self.queue.lock:
-            setattr(self.queue.counters, counter, getattr(self.queue.counters, counter) + 1)
+        """Count now, publish in _flush: one lock per step, before the Futures complete."""
+        self._due[counter] = self._due.get(counter, 0) + 1
 
     def _release_input(self, task: Task) -> None:
         if task.lease is not None:
@@ -718,6 +729,11 @@ class Supervisor:
             task.lease = None
 
     def _flush(self) -> None:
+        if self._due:
+            counters, due, self._due = self.queue.counters, self._due, {}
+            with self.queue.lock:
+                for counter, n in due.items():
+                    setattr(counters, counter, getattr(counters, counter) + n)
         done, self._completions = self._completions, []
         for fut, result, error in done:
             try:
@@ -758,7 +774,7 @@ class Supervisor:
 
     def _on_death_final(self, slot: Slot) -> None:
         if slot.conn is not None:
-            self._drain(slot)
+            self._drain(slot, to_end=True)
         self._forget_slot(slot)
         slot.reap()
         for b in slot.batches:

@@ -25,6 +25,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,13 +110,22 @@ class Arena:
             return self._try_lease_locked(nbytes)
 
     def release(self, lease: Lease) -> None:
+        self.release_many((lease,))
+
+    def release_many(self, leases: Iterable[Lease]) -> None:
+        """Give leases back (under one lock); LeaseError for one not held, after the others."""
+        bad = None
         with self._cond:
-            held = self._leases.get(lease.offset)
-            if held is None or held.gen != lease.gen:
-                raise LeaseError(f"{lease} is not held (released twice?)")
-            del self._leases[lease.offset]
-            self._alloc.free(lease.offset)
+            for lease in leases:
+                held = self._leases.get(lease.offset)
+                if held is None or held.gen != lease.gen:
+                    bad = lease
+                    continue
+                del self._leases[lease.offset]
+                self._alloc.free(lease.offset)
             self._cond.notify_all()
+        if bad is not None:
+            raise LeaseError(f"{bad} is not held (released twice?)")
 
     def _try_lease_locked(self, nbytes: int) -> Lease | None:
         offset = self._alloc.allocate(nbytes)

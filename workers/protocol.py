@@ -15,6 +15,7 @@ dataclass: names, offsets, dtypes and shapes; array bytes never travel here.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -236,6 +237,10 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
 
 def _unflat(flat: bool, sk: Any, refs: tuple[tuple[Any, ...], ...]) -> Packed:
     arrays = tuple(ArrayRef(*r) for r in refs)
-    if flat:
-        return Packed({name: Hole(i) for i, name in enumerate(sk)}, arrays)
-    return Packed(sk, arrays)
+    return Packed(flat_skeleton(sk) if flat else sk, arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def flat_skeleton(names: tuple[Any, ...]) -> dict[Any, Hole]:
+    """{name: Hole(i)}, one shared (never modified) dict per tuple of names."""
+    return {name: Hole(i) for i, name in enumerate(names)}
