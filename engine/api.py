@@ -17,7 +17,7 @@ import psutil
 from engine import errors as E
 from engine.admission import TaskQueue, superseded_error
 from engine.config import EngineConfig, resolve
-from engine.frontend import Frontend
+from engine.frontend import Frontend, TaskFuture
 from engine.metrics import Metrics, render
 from engine.reload import Reload
 from engine.states import EngineState, TaskState
@@ -122,7 +122,7 @@ class Engine(Frontend):
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
         item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
         skeleton, arrays = packing.split(item)
-        _, nbytes = packing.layout(arrays)
+        offsets, nbytes = packing.layout(arrays)
         if nbytes > self._inputs.capacity:
             raise E.ShmCapacityError(
                 f"the inputs take {nbytes} bytes but the input arena holds {self._inputs.capacity} "
@@ -139,14 +139,14 @@ class Engine(Frontend):
                 except TimeoutError:
                     raise E.QueueFull(f"no {nbytes} bytes of shared memory free after {block_timeout} s") from None
             t0 = time.perf_counter()
-            packed = packing.write(skeleton, arrays, lease.offset if lease else 0, self._inputs.array)
+            packed = packing.write(skeleton, arrays, lease.offset if lease else 0, self._inputs.array, offsets)
             copy_s = time.perf_counter() - t0
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
             self._queue.unreserve(nbytes)
             raise
-        fut: Future[Result] = Future()
+        fut = TaskFuture(self)
         abs_deadline = None if deadline is None else time.monotonic() + deadline
 
         def make(task_id: int) -> Task:
@@ -159,8 +159,7 @@ class Engine(Frontend):
             if lease is not None:
                 self._inputs.release(lease)
             raise
-        fut.slabpool_task = task  # type: ignore[attr-defined]
-        fut.add_done_callback(self._on_future_done)
+        fut.slabpool_task = task
         return fut
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:

@@ -48,7 +48,7 @@ from engine import errors as E
 from engine.admission import TaskQueue, superseded_error
 from engine.config import EngineConfig, resolve
 from engine.errors import Crash
-from engine.frontend import Frontend
+from engine.frontend import Frontend, TaskFuture
 from engine.states import EngineState, SlotState, TaskState
 from engine.stats import EngineStats, SlotStats
 from engine.supervisor import _task_error  # one mapping RemoteError -> TaskError for both backends
@@ -277,7 +277,7 @@ class RayEngine(Frontend):
         except BaseException:
             self._queue.unreserve()
             raise
-        fut: Future[Result] = Future()
+        fut = TaskFuture(self)
         abs_deadline = None if deadline is None else time.monotonic() + deadline
 
         def make(task_id: int) -> Task:
@@ -285,8 +285,7 @@ class RayEngine(Frontend):
                            abs_deadline, _fault, copy_in_s=put_s, ref=ref)
 
         task = self._queue.accept(make)
-        fut.slabpool_task = task  # type: ignore[attr-defined]
-        fut.add_done_callback(self._on_future_done)
+        fut.slabpool_task = task
         return fut
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:

@@ -16,11 +16,15 @@ from typing import Any
 import numpy as np
 
 from shm.alloc import align_up
-from workers.protocol import ArrayRef, Hole, Packed
+from workers.protocol import ArrayRef, Hole, Packed, flat_skeleton
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
     """The skeleton of `obj` and its arrays, in skeleton order."""
+    if type(obj) is dict:  # the common case, a flat dict of arrays: one shared skeleton per names
+        flat = list(obj.values())
+        if all(type(a) is np.ndarray and not a.dtype.hasobject for a in flat):
+            return flat_skeleton(tuple(obj)), flat
     arrays: list[np.ndarray] = []
 
     def walk(node: Any) -> Any:
@@ -61,9 +65,12 @@ def write(
     arrays: list[np.ndarray],
     base: int,
     array_at: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray],
+    offsets: list[int] | None = None,
 ) -> Packed:
-    """Copy `arrays` into the region at `base` (laid out by `layout`); return the Packed form."""
-    offsets, _ = layout(arrays)
+    """Copy `arrays` into the region at `base` (laid out by `layout`, whose offsets the caller
+    may pass); return the Packed form."""
+    if offsets is None:
+        offsets, _ = layout(arrays)
     refs = []
     for a, off in zip(arrays, offsets, strict=True):
         dst = array_at(base + off, a.dtype, a.shape)
