@@ -41,6 +41,8 @@ class Measurement:
     added_rss_bytes: int = 0  # that peak minus the tree's RSS just before setup: this contender's own
     checked: int = 0  # outputs compared with the serial reference
     other_cores: float = 0.0  # CPU busy outside the bench's process tree during the timed run
+    caller_cpu_us: float = 0.0  # CPU per item of the bench's own process: caller + the pool's threads
+    workers_cpu_us: float = 0.0  # CPU per item of every other process of the tree (workers, Ray)
     note: str = ""
     error: str = ""
     extras: dict[str, float] = field(default_factory=dict)  # peaks of contender.sample()
@@ -70,6 +72,11 @@ def tree_cpu() -> float:
         except psutil.Error:
             pass
     return total
+
+
+def _own_cpu(me: psutil.Process) -> float:
+    t = me.cpu_times()
+    return float(t.user + t.system)
 
 
 class OtherLoad:
@@ -213,6 +220,8 @@ def _measure(
     kept: list[tuple[int, Any]] = []
     count = 0
     load = OtherLoad()
+    me = psutil.Process()
+    own0, tree0 = _own_cpu(me), tree_cpu()
     t0 = time.perf_counter()
     beat = dog.beat
     for i, done in enumerate(c.run(items)):
@@ -222,7 +231,9 @@ def _measure(
             kept.append((i, done.outputs))
         count += 1
     m.seconds = time.perf_counter() - t0
+    own, tree = _own_cpu(me) - own0, tree_cpu() - tree0
     m.other_cores = load.cores(m.seconds)
+    m.caller_cpu_us, m.workers_cpu_us = own / max(n, 1) * 1e6, max(tree - own, 0.0) / max(n, 1) * 1e6
     if count != n:
         raise AssertionError(f"{c.name}: {count} results for {n} items")
     for i, out in kept:

@@ -39,6 +39,7 @@ def test_bench_smoke_run_writes_every_contender(tmp_path: Path) -> None:
             assert m["status"] in ("ok", "skipped"), m
             if m["status"] == "ok":
                 assert m["items"] > 0 and m["items_per_s"] > 0 and m["checked"] > 0, m
+                assert m["caller_cpu_us"] > 0 and m["workers_cpu_us"] >= 0, m  # where the CPU went
             else:
                 assert contender == "ray" and m["error"], m  # only Ray may be absent
     assert report["crash"] and not report["crash"][0]["error"]
