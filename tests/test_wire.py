@@ -1,0 +1,88 @@
+"""FrameReader against the real writer: multiprocessing.Connection.send_bytes on a real pipe."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import struct
+import threading
+
+import pytest
+
+from workers.wire import CHUNK, FrameReader
+
+
+@pytest.fixture
+def pipe():  # type: ignore[no-untyped-def]
+    reader_end, writer_end = multiprocessing.Pipe(duplex=True)
+    yield FrameReader(reader_end.fileno()), writer_end, reader_end
+    for c in (reader_end, writer_end):
+        if not c.closed:
+            c.close()
+
+
+def test_one_read_takes_every_frame_already_in_the_pipe(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    sent = [b"", b"a", os.urandom(1000), b"xyz" * 5000]
+    for s in sent:
+        writer.send_bytes(s)
+    got: list[bytes] = []
+    while len(got) < len(sent):
+        got += reader.read()
+    assert got == sent
+
+
+def test_a_frame_split_across_reads_is_put_back_together(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    payload = os.urandom(3 * CHUNK + 17)  # longer than one read
+    wire = struct.pack("!i", len(payload)) + payload
+
+    def dribble() -> None:  # in pieces of 999 bytes, header included
+        for i in range(0, len(wire), 999):
+            os.write(writer.fileno(), wire[i : i + 999])
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    frames: list[bytes] = []
+    reads = 0
+    while not frames:
+        frames = reader.read()
+        reads += 1
+    t.join()
+    assert frames == [payload] and reads > 1
+
+
+def test_the_long_header_form_is_understood(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    payload = b"long form"
+    os.write(writer.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload)
+    assert reader.read() == [payload]
+
+
+def test_recv_and_poll_serve_a_blocking_reader(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    assert not reader.poll()
+    for i in range(3):
+        writer.send_bytes(bytes([i]))
+    assert reader.poll()
+    assert [reader.recv() for _ in range(3)] == [b"\0", b"\1", b"\2"]
+    assert not reader.poll()
+
+
+def test_end_of_pipe_after_the_last_frames(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    writer.send_bytes(b"last words")
+    writer.send_bytes(b"really")
+    writer.close()
+    assert reader.read_to_end() == [b"last words", b"really"]
+    with pytest.raises(EOFError):
+        reader.read()
+    with pytest.raises(EOFError):
+        reader.recv()
+
+
+def test_read_to_end_does_not_block_on_a_live_quiet_writer(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    writer.send_bytes(b"one")
+    assert reader.read_to_end() == [b"one"]
+    assert reader.read_to_end() == []  # nothing there, writer still open: returns at once
