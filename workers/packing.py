@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shm.alloc import align_up
-from workers.protocol import ArrayRef, Hole, Packed, flat_skeleton
+from workers.protocol import ArrayRef, FlatSkeleton, Hole, Packed, flat_skeleton
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
@@ -96,11 +96,12 @@ def unpack(
             a = a.view()
             a.flags.writeable = False
         arrays.append(a)
-    if isinstance(packed.skeleton, dict) and all(
-        type(v) is Hole for v in packed.skeleton.values()
-    ):  # fast path: a flat dict of arrays
-        return {k: arrays[v.at] for k, v in packed.skeleton.items()}
-    return _fill(packed.skeleton, arrays)
+    sk = packed.skeleton
+    if type(sk) is FlatSkeleton:  # the common case: its holes are in order
+        return dict(zip(sk, arrays, strict=True))
+    if isinstance(sk, dict) and all(type(v) is Hole for v in sk.values()):
+        return {k: arrays[v.at] for k, v in sk.items()}
+    return _fill(sk, arrays)
 
 
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:

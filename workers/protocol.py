@@ -229,6 +229,8 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
     """(flat, names or skeleton, refs as plain tuples): a dict of arrays sends only its names."""
     sk = p.skeleton
     refs = tuple(tuple(r) for r in p.arrays)
+    if type(sk) is FlatSkeleton:
+        return True, tuple(sk), refs
     if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
         if [v.at for v in sk.values()] == list(range(len(sk))):
             return True, tuple(sk), refs
@@ -240,7 +242,11 @@ def _unflat(flat: bool, sk: Any, refs: tuple[tuple[Any, ...], ...]) -> Packed:
     return Packed(flat_skeleton(sk) if flat else sk, arrays)
 
 
+class FlatSkeleton(dict[Any, Hole]):
+    """The skeleton of a flat dict of arrays, {name: Hole(i)} in order: known by its type."""
+
+
 @functools.lru_cache(maxsize=256)
-def flat_skeleton(names: tuple[Any, ...]) -> dict[Any, Hole]:
-    """{name: Hole(i)}, one shared (never modified) dict per tuple of names."""
-    return {name: Hole(i) for i, name in enumerate(names)}
+def flat_skeleton(names: tuple[Any, ...]) -> FlatSkeleton:
+    """One shared (never modified) FlatSkeleton per tuple of names."""
+    return FlatSkeleton((name, Hole(i)) for i, name in enumerate(names))
