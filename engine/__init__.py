@@ -7,6 +7,13 @@
        copy inputs in  <=  8 copy outputs out     <=  BatchDone <=    session.run
        Future <==========  9 release leases,                        7 write outputs into
                              complete Future once                     the output region
+                                                                      (ORT: written there by
+                                                                      the run, IO binding)
+
+     copies per task: the inputs once (caller -> input arena, step 2), the outputs once
+     (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
+     writes the outputs in place once it has seen the output shapes of that input signature
+     (workers.inplace, counted in stats().outputs_in_place); otherwise one more copy, 7.
 
      crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
        a  slot k -> DEAD; the process is reaped before any lease it held is reused

@@ -33,6 +33,7 @@ class Counters:
     quarantined: int = 0
     timeouts: int = 0
     stacked_batches: int = 0
+    outputs_in_place: int = 0  # tasks whose outputs the runtime wrote into shared memory itself
 
 
 class TaskQueue:

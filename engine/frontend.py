@@ -163,7 +163,8 @@ class Frontend(AsyncEngineMixin):
         c = self._queue.counters
         with self._queue.lock:
             return {k: getattr(c, k) for k in ("accepted", "completed", "failed", "cancelled", "replayed",
-                                                 "quarantined", "timeouts", "stacked_batches")}
+                                                 "quarantined", "timeouts", "stacked_batches",
+                                                 "outputs_in_place")}
 
 
 class TaskFuture(Future[Result]):

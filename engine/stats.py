@@ -50,3 +50,4 @@ class EngineStats:
     shm_outputs_used: int
     shm_capacity: int  # per arena
     stacked_batches: int = 0  # session calls that ran several tasks stacked (dynamic batching)
+    outputs_in_place: int = 0  # tasks whose outputs ONNX Runtime wrote into shared memory (IO binding)

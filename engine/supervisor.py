@@ -352,6 +352,8 @@ class Supervisor:
             used += packing.region_size(outcome.outputs)
             self._finish(task, result=self._result(task, slot, outputs, msg.run_s / len(batch.tasks), copy_s, now))
         self._predicted[_batch_key(batch)] = used
+        if msg.in_place:
+            self._count("outputs_in_place", msg.in_place)
         self._end_batch(batch)  # step 9: leases go back now that the run has really ended
         if slot.batches:
             self._promote(slot, now)
@@ -719,9 +721,9 @@ class Supervisor:
             self._release_input(task)
         self._completions.append((task.future, result, error))
 
-    def _count(self, counter: str) -> None:
+    def _count(self, counter: str, n: int = 1) -> None:
         """Count now, publish in _flush: one lock per step, before the Futures complete."""
-        self._due[counter] = self._due.get(counter, 0) + 1
+        self._due[counter] = self._due.get(counter, 0) + n
 
     def _release_input(self, task: Task) -> None:
         if task.lease is not None:
@@ -840,5 +842,6 @@ def _task_error(task: Task, err: RemoteError) -> E.TaskError:
 
 
 def _batch_key(batch: Batch) -> tuple[Any, ...]:
-    return tuple(t.shape_key for t in batch.tasks)
+    """Batches with equal keys had outputs of equal size so far (sizes predicted from it)."""
+    return tuple((t.shape_key, t.items) for t in batch.tasks)
 

@@ -70,6 +70,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         static=onnx_models.static_shape(d / "static.onnx"),
         int_model=onnx_models.int_model(d / "int.onnx"),
         payload=onnx_models.payload(d / "payload.onnx", elements=256 * 1024),
+        nonzero=onnx_models.nonzero(d / "nonzero.onnx"),
         tfl_mlp=tflite_models.mlp(d / "mlp.tflite"),
         tfl_static=tflite_models.static_mlp(d / "static_mlp.tflite"),
         tfl_two=tflite_models.two_inputs(d / "two.tflite"),

@@ -117,6 +117,12 @@ class LiteRtSession:
         interp.invoke()  # no clean stop in LiteRT: task_timeout kills the slot instead
         return {name: interp.get_tensor(index) for name, index in self._out}
 
+    writes_in_place = False  # its output tensors live in the interpreter's own arena
+
+    def run_into(self, feeds: dict[str, np.ndarray], dests: dict[str, np.ndarray],
+                 timeout: float | None = None) -> None:
+        raise NotImplementedError("LiteRT writes outputs into its own tensor arena")
+
     def close(self) -> None:
         del self._interp  # before its delegates
 

@@ -34,6 +34,7 @@ from engine import context
 from engine.errors import InputContractError
 from shm.mapping import Mapping
 from workers import contract, faults, packing
+from workers.inplace import OutputPlanner, Placed
 from workers.protocol import (
     BatchDone,
     FaultSpec,
@@ -125,6 +126,7 @@ class Worker:
         self.conn = FrameReader(conn.fileno())  # conn stays open (and sends, via the outbox)
         self.inputs, self.outputs, self.session = inputs, outputs, session
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
+        self.planner = OutputPlanner(outputs) if session is not None and session.writes_in_place else None
         # the task in hand, for the supervisor to read if this process dies
         self.status = outputs.array(boot.status_offset, np.dtype(np.int64), (1,))
 
@@ -153,19 +155,29 @@ class Worker:
         feeds = {t.task_id: self._guarded(t, "preprocess", functools.partial(self._prepare, t)) for t in msg.tasks}
         results.update((i, f) for i, f in feeds.items() if isinstance(f, RemoteError))
         ready = [t for t in msg.tasks if t.task_id not in results]
+        region = (msg.out_offset, msg.out_nbytes) if msg.out_offset >= 0 else self._granted(msg.batch_id)
         if self.session is None:
             for t in ready:
                 results[t.task_id] = feeds[t.task_id]
         elif ready:
-            self._run(msg.stack, ready, feeds, results)
+            self._run(msg.stack, ready, feeds, results, self._plan(msg, region, ready, feeds))
         if self.boot.postprocess is not None:
             for t in ready:
                 if not isinstance(results[t.task_id], RemoteError):
                     post = functools.partial(self._post, results[t.task_id], t)
                     results[t.task_id] = self._guarded(t, "postprocess", post)
         run_s = time.perf_counter() - t0
-        outcomes = self._write(msg, results)
-        return BatchDone(msg.batch_id, outcomes, run_s, _rss() if self.boot.report_rss else 0)
+        in_place = sum(type(r) is Placed for r in results.values())
+        outcomes = self._write(msg, region, results)
+        return BatchDone(msg.batch_id, outcomes, run_s, _rss() if self.boot.report_rss else 0, in_place)
+
+    def _plan(self, msg: RunBatch, region: tuple[int, int], ready: list[TaskSpec],
+              feeds: dict[int, Any]) -> dict[int, Placed]:
+        """Where the runtime may write each task's outputs itself (see workers/inplace.py):
+        unstacked runs whose outputs go to shared memory as they are (no postprocess)."""
+        if self.planner is None or self.boot.postprocess is not None or (msg.stack and len(ready) > 1):
+            return {}
+        return self.planner.plan(region, ready, feeds) or {}
 
     def _prepare(self, t: TaskSpec) -> Any:
         # step 5: views of the task's inputs (read-only: the mapping is PROT_READ)
@@ -182,7 +194,8 @@ class Worker:
             item = contract.check(contract.normalize(item, specs), specs)
         return item
 
-    def _run(self, stack: bool, ready: list[TaskSpec], feeds: dict[int, Any], results: dict[int, Any]) -> None:
+    def _run(self, stack: bool, ready: list[TaskSpec], feeds: dict[int, Any], results: dict[int, Any],
+             plan: dict[int, Placed]) -> None:
         # step 6: one session call for the whole batch when stacked, else one per task
         assert self.session is not None
         if stack and len(ready) > 1:
@@ -193,12 +206,28 @@ class Worker:
             except Exception:  # noqa: BLE001 - find the guilty item: run each on its own
                 log.debug("stacked run failed; running the batch's %d items one by one", len(ready))
         for t in ready:
-            results[t.task_id] = self._guarded(t, "run", functools.partial(self._run_one, t, feeds[t.task_id]))
+            run = functools.partial(self._run_one, t, feeds[t.task_id], plan.get(t.task_id))
+            results[t.task_id] = self._guarded(t, "run", run)
 
-    def _run_one(self, t: TaskSpec, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_one(self, t: TaskSpec, feeds: dict[str, np.ndarray], placed: Placed | None) -> Any:
+        """The outputs (a dict), or `placed` once the runtime has written them in place."""
         assert self.session is not None
         faults.inject(t.fault, "run")
-        return self.session.run(feeds, self.boot.task_timeout)
+        if placed is not None:
+            try:
+                self.session.run_into(feeds, placed.dests, self.boot.task_timeout)
+                return placed
+            except RunTimeout:
+                raise
+            except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
+                log.debug("in-place run of task %d failed; running it plainly", t.task_id)
+        out = self.session.run(feeds, self.boot.task_timeout)
+        if self.planner is not None:
+            if placed is not None:
+                self.planner.forget(placed.key)  # the shapes vary with the data: never bind them
+            else:
+                self.planner.learn(feeds, out)
+        return out
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
         assert self.session is not None
@@ -246,7 +275,13 @@ class Worker:
 
     # -- step 7: outputs into shared memory ----------------------------------------------------
 
-    def _write(self, msg: RunBatch, results: dict[int, Any]) -> tuple[Outcome, ...]:
+    def _write(self, msg: RunBatch, region: tuple[int, int], results: dict[int, Any]) -> tuple[Outcome, ...]:
+        placed = [r for r in results.values() if type(r) is Placed]
+        if placed and len(placed) + sum(isinstance(r, RemoteError) for r in results.values()) == len(results):
+            return self._report_placed(msg, results)
+        for task_id, res in results.items():  # some fell back to a plain run: write every one
+            if type(res) is Placed:  # anew (out of the region first: it may be replaced)
+                results[task_id] = {name: dst.copy() for name, dst in res.dests.items()}
         parts: list[tuple[TaskSpec, Any, list[np.ndarray], RemoteError | None]] = []
         for t in msg.tasks:
             res = results[t.task_id]
@@ -261,8 +296,8 @@ class Worker:
             parts.append((t, skeleton, arrays, None))
         sizes = [packing.layout(arrays)[1] for _, _, arrays, _ in parts]
         total = sum(sizes)
-        base = msg.out_offset
-        if total > 0 and (base < 0 or total > msg.out_nbytes):
+        base, room = region
+        if total > 0 and (base < 0 or total > room):
             base, error = self._ask_output(msg.batch_id, total)
             if error:
                 denied = RemoteError("run", "ShmCapacityError", error, "")
@@ -277,6 +312,30 @@ class Worker:
             outcomes.append(Outcome(t.task_id, packing.write(skeleton, arrays, base, self.outputs.array)))
             base += size
         return tuple(outcomes)
+
+    def _report_placed(self, msg: RunBatch, results: dict[int, Any]) -> tuple[Outcome, ...]:
+        """Every output already is where the runtime wrote it: the write stage only reports."""
+        outcomes = []
+        for t in msg.tasks:
+            res = results[t.task_id]
+            if isinstance(res, RemoteError):
+                outcomes.append(Outcome(t.task_id, None, res))
+                continue
+            self.status[0] = t.task_id
+            faults.inject(t.fault, "write_outputs")
+            outcomes.append(Outcome(t.task_id, res.packed))
+        return tuple(outcomes)
+
+    def _granted(self, batch_id: int) -> tuple[int, int]:
+        """The region of an OutputGrant for this batch already in the pipe (sent when the batch
+        became its slot's head), without waiting; (-1, 0) if none is there."""
+        while self.conn.poll():
+            self.pending.append(decode(self.conn.recv()))
+        for msg in self.pending:
+            if isinstance(msg, OutputGrant) and msg.batch_id == batch_id and not msg.error:
+                self.pending.remove(msg)
+                return msg.offset, msg.nbytes
+        return -1, 0
 
     def _ask_output(self, batch_id: int, nbytes: int) -> tuple[int, str]:
         """A region of at least `nbytes` for this batch. The grant may already wait in the pipe

@@ -45,10 +45,15 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
 
 def layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
     """Offsets (relative, 64-byte aligned) of each array in one region, and its total size."""
+    return layout_sizes([a.nbytes for a in arrays])
+
+
+def layout_sizes(sizes: list[int]) -> tuple[list[int], int]:
+    """`layout` for arrays of these byte sizes (arrays not made yet)."""
     offsets, total = [], 0
-    for a in arrays:
+    for n in sizes:
         offsets.append(total)
-        total = align_up(total + a.nbytes)
+        total = align_up(total + n)
     return offsets, total
 
 

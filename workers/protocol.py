@@ -165,6 +165,7 @@ class BatchDone:
     outcomes: tuple[Outcome, ...]
     run_s: float
     rss: int
+    in_place: int = 0  # tasks whose outputs the runtime wrote straight into the output region
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def encode(msg: Any) -> bytes:
             (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
             for o in msg.outcomes
         )
-        wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs)
+        wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs, msg.in_place)
     elif kind is OutputGrant:
         wire = (_GRANT, msg.batch_id, msg.offset, msg.nbytes, msg.error)
     elif kind is NeedOutput:
@@ -213,11 +214,11 @@ def decode(data: bytes) -> Any:
         specs = tuple(TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8]) for t in tasks)
         return RunBatch(batch_id, specs, stack, off, nbytes)
     if kind == _DONE:
-        _, batch_id, run_s, rss, outs = wire
+        _, batch_id, run_s, rss, outs, in_place = wire
         outcomes = tuple(
             Outcome(o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4]) for o in outs
         )
-        return BatchDone(batch_id, outcomes, run_s, rss)
+        return BatchDone(batch_id, outcomes, run_s, rss, in_place)
     if kind == _GRANT:
         return OutputGrant(*wire[1:])
     if kind == _NEED:

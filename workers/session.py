@@ -4,6 +4,7 @@
     session = load_session(spec)                           # in the worker, once
     session.info                                           # what is REALLY in use
     outputs = session.run({"x": arr})                      # dict name -> array
+    session.run_into({"x": arr}, {"y": view_in_shm})       # ORT: outputs written in place
 
 Each adapter imports its runtime here, lazily: `import engine` never imports onnxruntime or
 LiteRT. Runtime errors are translated at this boundary (a worker reports them as data).
@@ -37,9 +38,16 @@ class SessionSpec:
 
 class ModelSession(Protocol):
     info: SessionInfo
+    writes_in_place: bool  # run_into is supported: the runtime writes into buffers we give it
 
     def run(self, feeds: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run once; raise RunTimeout if `timeout` (s) passes and the runtime can stop cleanly."""
+        ...
+
+    def run_into(self, feeds: dict[str, np.ndarray], dests: dict[str, np.ndarray],
+                 timeout: float | None = None) -> None:
+        """Run once, the runtime writing each output straight into `dests[name]` (shapes known
+        in advance); raise if an output's shape is not that of its destination."""
         ...
 
     def close(self) -> None: ...

@@ -44,6 +44,7 @@ __all__ = [
     "mlp_reference",
     "multi_io",
     "multi_io_reference",
+    "nonzero",
     "payload",
     "poison",
     "poison_reference",
@@ -445,6 +446,18 @@ def static_shape(path: StrPath) -> Path:
         "static_shape",
         [_float("x", [2, 16])],
         [_float("y", [2, 16])],
+    )
+    return _save(graph, path)
+
+
+def nonzero(path: StrPath, dim: int = 8) -> Path:
+    """x float32[batch,dim] -> NonZero -> idx int64[2, nnz]: an output whose shape depends on
+    the data, not only on the input's shape."""
+    graph = helper.make_graph(
+        [helper.make_node("NonZero", ["x"], ["idx"])],
+        "nonzero",
+        [_float("x", ["batch", dim])],
+        [_value("idx", TensorProto.INT64, [2, "nnz"])],
     )
     return _save(graph, path)
 
