@@ -100,6 +100,7 @@ class Engine(Frontend):
             report_rss=cfg.worker_memory_limit is not None,
             log_level=logging.getLogger().getEffectiveLevel(),
             status_offset=self._sup.status_offset(slot),
+            in_place_min_bytes=cfg.in_place_min_bytes,
             init_fault=self._init_fault,
         )
 

@@ -158,6 +158,8 @@ def _mutate(item):
         ({"backend": "tensorflow"}, ValueError, "backend"),
         ({"preprocess": lambda x: x}, TypeError, "importable"),
         ({"preprocess": "tests.hooks"}, ValueError, "module:function"),
+        ({"in_place_min_bytes": -1}, ValueError, "in_place_min_bytes"),
+        ({"in_place_min_bytes": 1.5}, ValueError, "in_place_min_bytes"),
     ],
 )
 def test_bad_settings_fail_at_construction(models, kwargs, error, match):

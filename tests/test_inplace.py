@@ -42,7 +42,7 @@ def _items(name: str, rng: np.random.Generator):  # type: ignore[no-untyped-def]
 def test_outputs_written_in_place_equal_a_plain_run(models, name) -> None:  # type: ignore[no-untyped-def]
     model = getattr(models, name)
     items = _items(name, np.random.default_rng(1)) * 3
-    with Engine(model, workers=1) as eng:
+    with Engine(model, workers=1, in_place_min_bytes=0) as eng:
         results = [eng.submit(it).result(timeout=60) for it in items]  # one at a time: one per run
         st = eng.stats()
     for it, res in zip(items, results, strict=True):
@@ -57,7 +57,7 @@ def test_shapes_that_depend_on_the_data_fall_back_and_are_never_bound_again(mode
     a = {"x": np.array([[0, 1, 0, 2, 0, 0, 3, 0]], dtype=np.float32)}  # 3 nonzero
     b = {"x": np.array([[4, 1, 0, 2, 5, 0, 3, 0]], dtype=np.float32)}  # 5 nonzero, same input shape
     order = [a, a, b, a, b, a]
-    with Engine(models.nonzero, workers=1) as eng:
+    with Engine(models.nonzero, workers=1, in_place_min_bytes=0) as eng:
         results = [eng.submit(it).result(timeout=60) for it in order]
         st = eng.stats()
     for it, res in zip(order, results, strict=True):
@@ -96,13 +96,18 @@ def test_a_crash_during_an_in_place_task_replays_it(models, tmp_path, stage) -> 
     assert results[2].attempts == 2 and st.restarts == 1 and st.failed == 0
 
 
-@pytest.mark.parametrize("case", ["litert", "postprocess"])
-def test_no_in_place_where_it_cannot_apply(models, case) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("case", ["litert", "postprocess", "small outputs", "turned off"])
+def test_no_in_place_where_it_cannot_apply_or_does_not_pay(models, case) -> None:  # type: ignore[no-untyped-def]
     x = {"x": np.ones((2, 16), np.float32)}
     if case == "litert":
-        eng = Engine(models.tfl_mlp, workers=1)
+        eng = Engine(models.tfl_mlp, workers=1, in_place_min_bytes=0)
+    elif case == "postprocess":
+        eng = Engine(models.mlp, workers=1, postprocess="tests.hooks:argmax_post", in_place_min_bytes=0)
+    elif case == "small outputs":  # the default: below 1 MiB a copy is cheaper than binding
+        eng = Engine(models.mlp, workers=1)
     else:
-        eng = Engine(models.mlp, workers=1, postprocess="tests.hooks:argmax_post")
+        x = {"x": np.ones((1, 256 * 1024), np.float32)}
+        eng = Engine(models.payload, workers=1, in_place_min_bytes=None)
     with eng:
         for _ in range(3):
             eng.infer(x)

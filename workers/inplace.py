@@ -2,7 +2,9 @@
 
 Without it an output of 8 MiB is allocated by the runtime (fresh pages: faults), then copied
 into shared memory; with it the runtime writes into the batch's output region and nothing is
-copied in the worker (0.75 vs 1.3 ms per 8 MiB run on the 2-core VM, measured).
+copied in the worker (0.75 vs 1.3 ms per 8 MiB run on the 2-core VM, measured). A bound run
+costs ~50 us more than a plain one, so small outputs are still copied (in_place_min_bytes,
+1 MiB by default: plain + copy 174 us vs bound 149 us there; 64 KiB: 10 vs 56 us).
 
 IO binding needs each output's shape before the run. The planner learns it: after a plain
 run, inputs of this exact signature (names, dtypes, shapes) gave outputs of those shapes. A
@@ -44,8 +46,9 @@ def signature(arrays: dict[str, np.ndarray]) -> Signature:
 
 
 class OutputPlanner:
-    def __init__(self, outputs: Mapping) -> None:
+    def __init__(self, outputs: Mapping, min_bytes: int = 0) -> None:
         self._outputs = outputs
+        self._min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
         self._shapes: dict[Signature, Signature | None] = {}  # None: output shapes vary
 
     def plan(self, region: tuple[int, int], tasks: list[TaskSpec], feeds: dict[int, Any]) -> dict[int, Placed] | None:
@@ -63,7 +66,7 @@ class OutputPlanner:
             dtypes = [np.dtype(dt) for _, dt, _ in outs]
             offsets, size = packing.layout_sizes(
                 [dt.itemsize * int(np.prod(shape)) for dt, (_, _, shape) in zip(dtypes, outs, strict=True)])
-            if cursor + size > start + nbytes:
+            if size < self._min_bytes or cursor + size > start + nbytes:
                 return None
             dests = {name: self._outputs.array(cursor + off, dt, shape)
                      for (name, _, shape), dt, off in zip(outs, dtypes, offsets, strict=True)}

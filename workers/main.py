@@ -74,6 +74,7 @@ class WorkerBoot:
     log_level: int
     status_offset: int = -1  # this slot's status word in the output arena (see the supervisor)
     init_fault: FaultSpec | None = None
+    in_place_min_bytes: int | None = None  # see EngineConfig; None: outputs are always copied
 
 IDLE, STACKED = -1, -2
 
@@ -126,7 +127,8 @@ class Worker:
         self.conn = FrameReader(conn.fileno())  # conn stays open (and sends, via the outbox)
         self.inputs, self.outputs, self.session = inputs, outputs, session
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
-        self.planner = OutputPlanner(outputs) if session is not None and session.writes_in_place else None
+        in_place = session is not None and session.writes_in_place and boot.in_place_min_bytes is not None
+        self.planner = OutputPlanner(outputs, boot.in_place_min_bytes or 0) if in_place else None
         # the task in hand, for the supervisor to read if this process dies
         self.status = outputs.array(boot.status_offset, np.dtype(np.int64), (1,))
 
