@@ -62,8 +62,9 @@ class Report:
     def best_slabpool(self, workload: str, workers: int) -> float:
         return max(self.rate(workload, c, workers) for c in SLABPOOL)
 
-    def best_alternative(self, workload: str, workers: int) -> tuple[str, float]:
-        rates = [(c, self.rate(workload, c, workers)) for c in ALTERNATIVES]
+    def best_alternative(self, workload: str, workers: int, *, pools_only: bool = False) -> tuple[str, float]:
+        """The fastest alternative (pools_only: of the process pools, not one in-process session)."""
+        rates = [(c, self.rate(workload, c, workers)) for c in ALTERNATIVES if not (pools_only and c == "ort-threads")]
         return max(rates, key=lambda cr: cr[1])
 
     def rows(self) -> list[tuple[Measurement, int]]:
@@ -100,8 +101,11 @@ class Report:
         t.append(self._target("8 MiB payload >= 0.8 of limit", "payload", n, self.rate("payload", "slabpool", n),
                               lim("payload", n), 0.8))
         best, rate = self.best_alternative("payload", n)
-        t.append(self._target("8 MiB payload >= 1.6x best alternative", "payload", n,
-                              self.rate("payload", "slabpool", n), rate, 1.6, f"best alternative: {best}"))
+        pool, pool_rate = self.best_alternative("payload", n, pools_only=True)
+        mine = self.rate("payload", "slabpool", n)
+        vs_pool = f"; {mine / pool_rate:.2f}x the best process pool, {pool}" if mine and pool_rate else ""
+        t.append(self._target("8 MiB payload >= 1.6x best alternative", "payload", n, mine, rate, 1.6,
+                              f"best alternative: {best}{vs_pool}"))
 
     @staticmethod
     def _target(name: str, wl: str, n: int, num: float, den: float, goal: float, detail: str = "") -> Target:

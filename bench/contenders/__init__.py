@@ -21,7 +21,7 @@ __all__ = ["ALTERNATIVES", "Contender", "Done", "Skipped", "lineup", "serial"]
 BATCH = 32  # slabpool+batch: max_batch_size on tiny workloads
 
 # Every contender the report compares slabpool against (serial is the reference, not one).
-ALTERNATIVES = ("ort-threads", "ProcessPoolExecutor", "loky", "pebble", "mp.Pool", "ray", "slabpool-ray")
+ALTERNATIVES = ("ort-threads", "ProcessPoolExecutor", "loky", "pebble", "mp.Pool", "ray")  # not slabpool-ray: ours
 
 
 def lineup(window_per_worker: int, tiny: bool) -> list[Callable[[], Contender]]:
