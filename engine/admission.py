@@ -18,7 +18,7 @@ from engine.errors import QueueFull, TaskCancelled
 from engine.task import Batch, Task
 
 MAX_GROUP = 32  # tasks in one group (one message each way)
-MIN_GROUP = 8  # queued tasks per open slot before grouping starts: a light load goes task by task
+MIN_GROUP = 8  # tiny tasks per slot worth a message sent ahead to a busy slot
 
 
 @dataclass
@@ -52,8 +52,10 @@ class TaskQueue:
         self._waiting = 0  # callers blocked for a place (notify only when someone waits)
         self._deadlines = 0  # queued tasks with a deadline: no scan per step when there are none
         # False while every slot is full: a new task can wait for the next completion (the
-        # supervisor takes from the queue then), so the caller does not wake the supervisor
+        # supervisor takes from the queue then), so the caller does not wake the supervisor;
+        # while only busy slots have room, it wakes it once `wake_at` tasks wait (a group)
         self.hungry = True
+        self.wake_at = 1
         self.counters = Counters()
         self.lock = self._cond  # the counters' lock too
 
@@ -107,7 +109,7 @@ class TaskQueue:
             self.counters.accepted += 1
             if task.deadline is not None:
                 self._deadlines += 1
-            wake = self.hungry or task.deadline is not None
+            wake = (self.hungry and len(self._pending) >= self.wake_at) or task.deadline is not None
         if wake:
             self._wake()
         return task
@@ -149,27 +151,29 @@ class TaskQueue:
     # -- the supervisor's side ----------------------------------------------------------------
 
     def take(
-        self, max_items: int, wait_s: float, now: float, spread: int = 1, max_tasks: int = MAX_GROUP
+        self, max_items: int, wait_s: float, now: float, spread: int = 1, max_tasks: int = MAX_GROUP,
+        min_tasks: int = 1,
     ) -> Batch | float | None:
         """The next batch to dispatch; or the time to look again (a batch still filling); or
-        None when nothing waits. Pure policy over the queue, under its lock.
+        None when fewer than `min_tasks` wait. Pure policy over the queue, under its lock.
 
-        Without stacking (max_items 1), a deep queue (MIN_GROUP or more tasks per open slot) is
-        sent in groups of up to MAX_GROUP tasks, its fair share over `spread` open slots: one
-        message each way for the group instead of one per task. The worker runs them one by
-        one. A task in a group counts as running (Future.cancel() is refused; eng.cancel()
-        still drops its result), and its result arrives with the group's."""
+        Without stacking (max_items 1), tasks are sent in groups of up to `max_tasks`, their
+        fair share over the `spread` slots that take work: one message each way for the group
+        instead of one per task. The worker runs them one by one. A task in a group counts as
+        running (Future.cancel() is refused; eng.cancel() still drops its result), and its
+        result arrives with the group's."""
         with self._cond:
             if self._replays:
                 self._notify()  # replays count against capacity too: a place just freed up
                 return self._replays.pop(0)
-            if not self._pending:
-                self.hungry = True  # under the lock: a task accepted after this wakes us
+            if len(self._pending) < max(min_tasks, 1):
+                # under the lock: the caller that brings the queue to min_tasks wakes us
+                self.hungry, self.wake_at = True, max(min_tasks, 1)
                 return None
+            self.wake_at = 1
             first = next(iter(self._pending.values()))
             if max_items <= 1 or first.items == 0:
-                share = len(self._pending) // max(spread, 1)
-                n = min(max_tasks, share) if share >= MIN_GROUP else 1
+                n = min(max_tasks, max(len(self._pending) // max(spread, 1), 1))
                 return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
             mates, count = [], 0
             for task in self._pending.values():

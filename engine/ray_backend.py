@@ -549,7 +549,7 @@ class _Ledger:
             if not open_slots:
                 return
             slot = min(open_slots, key=lambda s: len(s.flights))  # idle slots first
-            got = self.queue.take(1, 0.0, now)
+            got = self.queue.take(1, 0.0, now, max_tasks=1)  # one task per actor call
             if not isinstance(got, Batch):
                 return
             for task in got.tasks:

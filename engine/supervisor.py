@@ -26,7 +26,7 @@ import numpy as np
 
 from engine import errors as E
 from engine import recovery
-from engine.admission import MAX_GROUP, TaskQueue
+from engine.admission import MAX_GROUP, MIN_GROUP, TaskQueue
 from engine.config import EngineConfig
 from engine.errors import Crash, crash_hint, describe_exit
 from engine.recovery import IDLE
@@ -529,9 +529,14 @@ class Supervisor:
                 continue
             live = sum(s.can_take for s in self.slots)  # the queue is shared by every slot, not
             # only those open right now: a group sized for one open slot would starve the rest
+            min_tasks = 1
             if self.cfg.max_batch_size <= 1:  # unstacked groups; a stacked batch is sized in items
-                budget = min(budget, self._group_limit())
-            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, live, budget)
+                limit = self._group_limit()
+                budget = min(budget, limit)
+                if slot.batches and limit >= MIN_GROUP:  # tiny tasks, a busy slot: send ahead
+                    min_tasks = MIN_GROUP * live  # only a group worth its message (measured:
+                    # half the groups were of one task, at 1.6x the messages per task)
+            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, live, budget, min_tasks)
             if got is None:
                 return
             if isinstance(got, float):
