@@ -7,6 +7,7 @@ sleeping and hoping. Timeouts here only catch deadlocks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -214,6 +215,31 @@ def test_chaos_random_sigkills_every_task_ends_exactly_once(models, start_method
     assert len(completions) == len(futs) and st.completed == len(xs) and st.failed == 0
     for x, res in zip(xs, results):
         assert res.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+@pytest.mark.slow
+def test_chaos_with_outputs_written_in_place(models):
+    """SIGKILLs while ONNX Runtime writes 1 MiB outputs straight into the output arena: a
+    dead worker's half-written region is never read, every task ends once, byte-identical."""
+    r = np.random.default_rng(4)
+    xs = [r.standard_normal((1, 256 * 1024)).astype(np.float32) for _ in range(600)]
+    kills: list[int] = []
+    with Engine(models.payload, workers=2, max_attempts=1000) as eng:
+        futs = []
+        for i, x in enumerate(xs):
+            futs.append(eng.submit({"x": x}))
+            if i % 40 == 39:  # a kill per 40 submissions, of a worker that holds work
+                busy = [s.pid for s in eng.stats().slots if s.state == "BUSY" and s.pid]
+                if busy:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(busy[i % len(busy)], signal.SIGKILL)
+                        kills.append(busy[i % len(busy)])
+        results = [f.result(timeout=120) for f in futs]
+        st = eng.stats()
+    assert len(kills) >= 5 and st.restarts >= 5 and st.failed == 0 and st.completed == len(xs)
+    assert st.outputs_in_place > len(xs) // 2
+    for x, res in zip(xs, results):
+        assert res.outputs["y"].tobytes() == (x * 2).tobytes()
 
 
 SUPERVISOR = textwrap.dedent(
