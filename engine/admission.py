@@ -176,8 +176,8 @@ class TaskQueue:
                 n = min(max_tasks, max(len(self._pending) // max(spread, 1), 1))
                 return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
             mates, count = [], 0
-            for task in self._pending.values():
-                if task.shape_key != first.shape_key or count + task.items > max_items:
+            for task in self._pending.values():  # the first always goes: alone if it is larger
+                if task.shape_key != first.shape_key or (mates and count + task.items > max_items):
                     continue
                 mates.append(task)
                 count += task.items

@@ -67,6 +67,18 @@ def test_tasks_with_other_trailing_shapes_are_not_stacked_together(tmp_path):
         assert r.outputs["y"].tobytes() == f["x"].tobytes()
 
 
+def test_a_task_larger_than_max_batch_size_runs_alone(models):
+    """It used to wait forever: no batch could take it, and nothing else took it either."""
+    sizes = [1, 10, 2, 9, 3, 1]  # max_batch_size 4: 10 and 9 run alone, the others stack
+    feeds = [{"x": RNG.standard_normal((n, 16)).astype(np.float32)} for n in sizes]
+    with Engine(models.mlp, workers=1, max_batch_size=4, max_batch_wait_ms=50) as eng:
+        results = _submit_all(eng, feeds)
+        alone = eng.infer({"x": np.ones((7, 16), np.float32)})  # and with nothing else queued
+    for f, r in zip(feeds, results, strict=True):
+        np.testing.assert_allclose(r.outputs["probs"], ort_run(models.mlp, f)["probs"], rtol=1e-5, atol=1e-6)
+    assert alone["probs"].shape == (7, 8)
+
+
 def test_a_bad_item_fails_alone_its_batch_mates_do_not(models):
     """The stacked call raises; the worker reruns the items one by one to find the culprit."""
     x = np.ones((1, 4), np.float32)
