@@ -175,7 +175,8 @@ class TaskQueue:
             if max_items <= 1 or first.items == 0:
                 n = min(max_tasks, max(len(self._pending) // max(spread, 1), 1))
                 return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
-            mates, count = [], 0
+            mates: list[Task] = []
+            count = 0
             for task in self._pending.values():  # the first always goes: alone if it is larger
                 if task.shape_key != first.shape_key or (mates and count + task.items > max_items):
                     continue
