@@ -8,6 +8,7 @@ checking never slows a contender down, and a contender that skips work cannot pa
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import traceback
@@ -240,7 +241,10 @@ def _measure(
         check(out, refs[i % k], f"{c.name} item {i}")
     m.checked += len(kept)
     m.items, m.items_per_s = n, n / m.seconds
-    m.p50_ms, m.p99_ms = (float(v) * 1e3 for v in np.percentile(latencies, [50, 99]))
+    if np.isnan(latencies).all():  # the pool submits by itself (map, imap): no latency per item
+        m.p50_ms = m.p99_ms = math.nan
+    else:
+        m.p50_ms, m.p99_ms = (float(v) * 1e3 for v in np.percentile(latencies, [50, 99]))
 
 
 def _warm_up(m: Measurement, c: Contender, distinct: list[Feeds], refs: list[Outputs], warm_s: float,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.contenders import ALTERNATIVES
+from bench.contenders import ALTERNATIVES, MAPPED
 from bench.crash import CrashFigures
 from bench.measure import Measurement
 from bench.memory import MemoryFigures
@@ -128,11 +129,13 @@ class Report:
             if m.status != "ok":
                 rows.append([m.workload, str(n), m.contender, m.status, *[""] * 10, m.error[:70]])
                 continue
-            ratio = "" if m.contender in SLABPOOL else _x(mine / m.items_per_s if mine else 0.0)
+            if m.contender in MAPPED:  # chunked runs compare with each other only
+                mine = self.rate(m.workload, MAPPED[0], n)
+            ratio = "" if m.contender in (*SLABPOOL, MAPPED[0]) else _x(mine / m.items_per_s if mine else 0.0)
             rows.append([
                 m.workload, str(n), m.contender, f"{m.items_per_s:,.0f}", _f(m.items_per_s / lim if lim else 0),
                 ratio, _us(m.items_per_s), f"{m.caller_cpu_us:,.1f}", f"{m.workers_cpu_us:,.1f}",
-                f"{m.p50_ms:.2f}", f"{m.p99_ms:.2f}",
+                _ms(m.p50_ms), _ms(m.p99_ms),
                 f"{m.added_rss_bytes / MiB:,.0f}", f"{m.startup_s:.2f}", f"{m.other_cores:.2f}",
                 f"{m.checked} checked",
             ])
@@ -283,6 +286,10 @@ def _caller_share(m: Measurement | None) -> str:
         return ""
     cores = m.caller_cpu_us * m.items_per_s / 1e6
     return f"the engine's process used {m.caller_cpu_us:,.0f} us of CPU per item, {cores:.2f} of a core"
+
+
+def _ms(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{v:.2f}"  # n/a: a pool that submits by itself
 
 
 def _f(v: float) -> str:

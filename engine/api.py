@@ -27,7 +27,7 @@ from engine.task import Result, Task
 from shm import Arena, CapacityError, InstanceLock, check_capacity, new_instance_id, sweep_dead_instances
 from workers import packing
 from workers.main import WorkerBoot
-from workers.protocol import FaultSpec, SessionInfo
+from workers.protocol import Chunk, FaultSpec, SessionInfo
 from workers.session import SessionSpec, detect_backend
 
 
@@ -39,6 +39,8 @@ class Engine(Frontend):
             fut = eng.submit({"x": batch})         # Future[Result]
             for res in eng.map(items): ...         # ordered, bounded in flight
     """
+
+    chunked_map = True
 
     def __new__(cls, model: str | os.PathLike[str] | None = None, **settings: Any) -> Any:
         if settings.get("cluster", "local") == "ray" and cls is Engine:
@@ -101,6 +103,7 @@ class Engine(Frontend):
             log_level=logging.getLogger().getEffectiveLevel(),
             status_offset=self._sup.status_offset(slot),
             in_place_min_bytes=cfg.in_place_min_bytes,
+            stack_chunks=cfg.max_batch_size > 1,
             init_fault=self._init_fault,
         )
 
@@ -122,6 +125,20 @@ class Engine(Frontend):
         if self._state is not EngineState.ACCEPTING:
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
         item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
+        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault)
+
+    def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
+        """Several items as one task (Engine.map): its Result's outputs are a Chunk, one
+        outcome per item (see workers/protocol.Chunk)."""
+        if self._state is not EngineState.ACCEPTING:
+            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
+        chunk = Chunk(self._admit(x)[0] for x in inputs)  # each item checked at the door
+        return self._enqueue(chunk, ("chunk", len(chunk)), 0, context, None, None, None)
+
+    def _enqueue(
+        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
+        deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None,
+    ) -> TaskFuture:
         skeleton, arrays = packing.split(item)
         offsets, nbytes = packing.layout(arrays)
         if nbytes > self._inputs.capacity:

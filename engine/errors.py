@@ -29,6 +29,10 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # workers import this module: no import of theirs at run time
+    from workers.protocol import RemoteError
 
 
 class EngineError(Exception):
@@ -139,6 +143,21 @@ def _rebuild(cls, args, state):  # type: ignore[no-untyped-def]
     Exception.__init__(obj, *args)
     obj.__dict__.update(state)
     return obj
+
+
+def from_remote(err: RemoteError, task_id: int) -> TaskError:
+    """The caller's exception for a worker's RemoteError (a whole task's, or one chunk item's)."""
+    if err.kind == "contract":
+        exc: TaskError = InputContractError(f"task {task_id}: {err.message}", task_id=task_id)
+    elif err.kind == "deadline":
+        exc = TaskTimeout(f"task {task_id} was still queued at its deadline; it was not started", task_id=task_id)
+    elif err.kind == "timeout":
+        exc = TaskTimeout(f"task {task_id} ran past task_timeout and was terminated: {err.message}", task_id=task_id)
+    else:
+        exc = SessionRunError(f"task {task_id} failed: {err.type_name}: {err.message}", task_id=task_id)
+    if err.traceback:
+        exc.__cause__ = RemoteTraceback(err.traceback)
+    return exc
 
 
 def describe_exit(exitcode: int | None) -> str:

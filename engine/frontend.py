@@ -8,11 +8,13 @@ thread that owns its slots: `command(kind, arg)`); everything here is built on t
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from engine import errors as E
 from engine.admission import TaskQueue
 from engine.aio import AsyncEngineMixin
 from engine.config import EngineConfig
@@ -20,7 +22,7 @@ from engine.states import EngineState
 from engine.stats import ModelDescription
 from engine.task import Result, Task
 from workers import contract
-from workers.protocol import FaultSpec, SessionInfo, TensorSpec
+from workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec
 
 
 class Control(Protocol):
@@ -28,6 +30,7 @@ class Control(Protocol):
 
 
 class Frontend(AsyncEngineMixin):
+    chunked_map = False  # map() may send several items as one task (a local Engine)
     config: EngineConfig
     _queue: TaskQueue
     _state: EngineState
@@ -113,23 +116,99 @@ class Frontend(AsyncEngineMixin):
         window: int | None = None,
         return_exceptions: bool = False,
         context: dict[str, Any] | None = None,
+        chunk: int | None = None,
     ) -> Iterator[Any]:
-        """Results in submission order, at most `window` tasks in flight (memory stays bounded).
+        """Results in submission order, at most `window` items in flight (memory stays bounded).
 
-        A failed task raises at its position, unless `return_exceptions` yields the error instead.
-        Abandoning the iterator cancels what is still queued."""
-        window = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
-        futs: deque[Future[Result]] = deque()
+        A failed item raises at its position, unless `return_exceptions` yields the error
+        instead. Abandoning the iterator cancels what is still queued.
+
+        `chunk`: items per task. None: sized from the measured run time per item, so that a
+        task runs ~CHUNK_TARGET_S (tiny items go up to MAX_CHUNK to a task and pay one task's
+        overhead between them; items of milliseconds go one by one). 1: a task per item.
+        A chunk's items run in one worker, one by one (byte-identical to a task each), or
+        stacked into one session call when dynamic batching is on (max_batch_size > 1: the
+        same float tolerance as batching); each keeps its own outcome, and its Result carries
+        the chunk's task id. A chunk that kills workers runs again item by item, so a poison
+        item fails alone."""
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
+        auto = chunk is None and self._chunks_ok()
+        size = 1 if chunk is None or not self._chunks_ok() else chunk
+        base = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
+        pace = _Pace()
+        pending: deque[tuple[Future[Result], list[Any]]] = deque()
+        in_flight = 0
+        it = iter(items)
         try:
-            for item in items:
-                futs.append(self.submit(item, context=context))
-                if len(futs) >= window:
-                    yield _outcome(futs.popleft(), return_exceptions)
-            while futs:
-                yield _outcome(futs.popleft(), return_exceptions)
+            while True:
+                if auto:
+                    size = pace.chunk(window, self.config.workers)
+                limit = window or max(base, 4 * self.config.workers * size)
+                group = list(itertools.islice(it, size))
+                if not group:
+                    break
+                fut = self.submit(group[0], context=context) if len(group) == 1 else self._submit_chunk(group, context)
+                pending.append((fut, group))
+                in_flight += len(group)
+                while pending and in_flight >= limit:
+                    fut, group = pending.popleft()
+                    in_flight -= len(group)
+                    yield from self._outcomes(fut, group, return_exceptions, context, pace)
+            while pending:
+                fut, group = pending.popleft()
+                yield from self._outcomes(fut, group, return_exceptions, context, pace)
         finally:
-            for f in futs:
+            for f, _ in pending:
                 f.cancel()
+
+    def _outcomes(
+        self, fut: Future[Result], group: list[Any], return_exceptions: bool, context: dict[str, Any] | None,
+        pace: _Pace,
+    ) -> Iterator[Any]:
+        """The outcome of each item of one task of map(): its Result, or its error."""
+        try:
+            res = fut.result()
+        except (E.PoisonTask, E.WorkerCrashed) as exc:
+            if len(group) > 1:  # which item kills workers? each alone now: it fails alone
+                futs = [self.submit(x, context=context) for x in group]
+                try:
+                    for f, x in zip(futs, group, strict=True):
+                        yield from self._outcomes(f, [x], return_exceptions, context, pace)
+                finally:
+                    for f in futs:
+                        f.cancel()
+                return
+            if not return_exceptions:
+                raise
+            yield exc
+            return
+        except Exception as exc:  # every item of the task ends with it
+            if not return_exceptions:
+                raise
+            for _ in group:
+                yield exc
+            return
+        pace.observe(res.timings.run, len(group))
+        if type(res.outputs) is not Chunk:
+            yield res
+            return
+        for out in res.outputs:
+            if isinstance(out, RemoteError):
+                err = E.from_remote(out, res.task_id)
+                if not return_exceptions:
+                    raise err
+                yield err
+            else:
+                yield Result(res.task_id, out, res.model_version, res.slot, res.pid, res.attempts, res.timings,
+                             res.context)
+
+    def _chunks_ok(self) -> bool:
+        """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
+        return self.chunked_map and self.config.task_timeout is None
+
+    def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
+        raise NotImplementedError
 
     def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
         """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
@@ -167,6 +246,30 @@ class Frontend(AsyncEngineMixin):
                                                  "outputs_in_place")}
 
 
+CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%
+MAX_CHUNK = 256  # items per chunk task at most
+
+
+class _Pace:
+    """map()'s measure of the run time per item (an EWMA over finished tasks), and the chunk
+    size it implies."""
+
+    def __init__(self) -> None:
+        self.per_item: float | None = None
+
+    def observe(self, run_s: float, items: int) -> None:
+        per = run_s / max(items, 1)
+        self.per_item = per if self.per_item is None else 0.8 * self.per_item + 0.2 * per
+
+    def chunk(self, window: int | None, workers: int) -> int:
+        if self.per_item is None:
+            return 1  # nothing measured yet: a task per item
+        size = max(1, min(MAX_CHUNK, int(CHUNK_TARGET_S / max(self.per_item, 1e-7))))
+        if window:  # keep two tasks per worker in flight within the caller's window
+            size = max(1, min(size, window // (2 * workers)))
+        return size
+
+
 class TaskFuture(Future[Result]):
     """The Future of one task. Its cancel() of a queued task also takes the task out of the
     queue (a subclass, not a done-callback: no callback to register and call per task)."""
@@ -182,12 +285,3 @@ class TaskFuture(Future[Result]):
             return False
         self._frontend._on_cancelled(self)
         return True
-
-
-def _outcome(fut: Future[Result], return_exceptions: bool) -> Any:
-    if not return_exceptions:
-        return fut.result()
-    try:
-        return fut.result()
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller as the item's outcome
-        return exc

@@ -51,7 +51,6 @@ from engine.errors import Crash
 from engine.frontend import Frontend, TaskFuture
 from engine.states import EngineState, SlotState, TaskState
 from engine.stats import EngineStats, SlotStats
-from engine.supervisor import _task_error  # one mapping RemoteError -> TaskError for both backends
 from engine.task import Batch, Result, Task, Timings
 from workers import contract, faults
 from workers.main import _seed, remote_error  # the worker's own seeding: a replay draws the same numbers
@@ -606,7 +605,7 @@ class _Ledger:
     def _on_result(self, slot: _RaySlot, task: RayTask, done: ActorDone) -> None:
         slot.tasks_done += 1
         if done.error is not None:
-            self._finish(task, error=_task_error(task, done.error))
+            self._finish(task, error=E.from_remote(done.error, task.id))
             return
         t0 = time.perf_counter()
         outputs = _owned(done.outputs)  # step 8

@@ -343,7 +343,7 @@ class Supervisor:
         for outcome in msg.outcomes:
             task = tasks[outcome.task_id]
             if outcome.error is not None:
-                self._finish(task, error=_task_error(task, outcome.error))
+                self._finish(task, error=E.from_remote(outcome.error, task.id))
                 continue
             assert outcome.outputs is not None
             t0 = time.perf_counter()
@@ -830,20 +830,6 @@ def _crashed(c: Crash) -> E.WorkerCrashed:
 
 def _cancelled(task: Task, why: str, reason: str = "cancelled") -> E.TaskCancelled:
     return E.TaskCancelled(f"task {task.id}: {why}", task_id=task.id, reason=reason)
-
-
-def _task_error(task: Task, err: RemoteError) -> E.TaskError:
-    if err.kind == "contract":
-        exc: E.TaskError = E.InputContractError(f"task {task.id}: {err.message}", task_id=task.id)
-    elif err.kind == "deadline":
-        exc = E.TaskTimeout(f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id)
-    elif err.kind == "timeout":
-        exc = E.TaskTimeout(f"task {task.id} ran past task_timeout and was terminated: {err.message}", task_id=task.id)
-    else:
-        exc = E.SessionRunError(f"task {task.id} failed: {err.type_name}: {err.message}", task_id=task.id)
-    if err.traceback:
-        exc.__cause__ = E.RemoteTraceback(err.traceback)
-    return exc
 
 
 def _batch_key(batch: Batch) -> tuple[Any, ...]:

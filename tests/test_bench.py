@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = ("serial", "ort-threads", "slabpool", "slabpool+batch", "ProcessPoolExecutor",
-              "loky", "pebble", "mp.Pool", "ray")
+CONTENDERS = ("serial", "ort-threads", "slabpool", "slabpool+batch", "slabpool map", "ProcessPoolExecutor",
+              "loky", "pebble", "mp.Pool", "mp.Pool imap", "ray")
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from workers import contract, faults, packing
 from workers.inplace import OutputPlanner, Placed
 from workers.protocol import (
     BatchDone,
+    Chunk,
     FaultSpec,
     InitFailed,
     NeedOutput,
@@ -75,6 +76,7 @@ class WorkerBoot:
     status_offset: int = -1  # this slot's status word in the output arena (see the supervisor)
     init_fault: FaultSpec | None = None
     in_place_min_bytes: int | None = None  # see EngineConfig; None: outputs are always copied
+    stack_chunks: bool = False  # run a chunk's items in one session call (max_batch_size > 1)
 
 IDLE, STACKED = -1, -2
 
@@ -154,9 +156,10 @@ class Worker:
     def run_batch(self, msg: RunBatch) -> BatchDone:
         t0 = time.perf_counter()
         results: dict[int, Any] = {}  # task id -> outputs, or RemoteError
-        feeds = {t.task_id: self._guarded(t, "preprocess", functools.partial(self._prepare, t)) for t in msg.tasks}
+        tasks = [t for t in msg.tasks if type(t.item.skeleton) is not Chunk]  # chunks: _run_chunk
+        feeds = {t.task_id: self._guarded(t, "preprocess", functools.partial(self._prepare, t)) for t in tasks}
         results.update((i, f) for i, f in feeds.items() if isinstance(f, RemoteError))
-        ready = [t for t in msg.tasks if t.task_id not in results]
+        ready = [t for t in tasks if t.task_id not in results]
         region = (msg.out_offset, msg.out_nbytes) if msg.out_offset >= 0 else self._granted(msg.batch_id)
         if self.session is None:
             for t in ready:
@@ -168,6 +171,9 @@ class Worker:
                 if not isinstance(results[t.task_id], RemoteError):
                     post = functools.partial(self._post, results[t.task_id], t)
                     results[t.task_id] = self._guarded(t, "postprocess", post)
+        for t in msg.tasks:
+            if t.task_id not in feeds:
+                results[t.task_id] = self._guarded(t, "run", functools.partial(self._run_chunk, t))
         run_s = time.perf_counter() - t0
         in_place = sum(type(r) is Placed for r in results.values())
         outcomes = self._write(msg, region, results)
@@ -189,12 +195,58 @@ class Worker:
             _seed(t.seed)  # before preprocess, so a replay draws the same random numbers
         item = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
+        return self._prepare_item(item)
+
+    def _prepare_item(self, item: Any) -> Any:
         if self.boot.preprocess is not None:
             item = self.boot.preprocess(item)
         if self.session is not None:
             specs = self.session.info.inputs
             item = contract.check(contract.normalize(item, specs), specs)
         return item
+
+    def _run_chunk(self, t: TaskSpec) -> Chunk:
+        """A chunk task (Engine.map): its items prepared, run (stacked in one session call when
+        they can be), post-processed; an item's error is that item's outcome alone."""
+        if self.boot.preprocess is not None or self.boot.postprocess is not None:
+            _seed(t.seed)
+        items = packing.unpack(t.item, self.inputs.array)
+        faults.inject(t.fault, "preprocess")
+        if self.boot.preprocess is None:  # each item passed the contract at the door as it is
+            outs: list[Any] = list(items)
+        else:
+            outs = [self._guarded(t, "preprocess", functools.partial(self._prepare_item, it)) for it in items]
+        ok = [i for i, f in enumerate(outs) if not isinstance(f, RemoteError)]
+        if self.session is not None and ok:
+            session = self.session
+            faults.inject(t.fault, "run")
+            stack = self.boot.stack_chunks and len(ok) > 1  # opt-in, as dynamic batching: bits may move
+            stacked = self._stack_items([outs[i] for i in ok]) if stack else None
+            for n, i in enumerate(ok):
+                run = functools.partial(session.run, outs[i], self.boot.task_timeout)
+                outs[i] = stacked[n] if stacked is not None else self._guarded(t, "run", run)
+        if self.boot.postprocess is not None:
+            faults.inject(t.fault, "postprocess")
+            for i in ok:
+                if not isinstance(outs[i], RemoteError):
+                    outs[i] = self._guarded(t, "postprocess", functools.partial(self.boot.postprocess, outs[i], items[i]))
+        return Chunk(outs)
+
+    def _stack_items(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
+        """One session call for items of equal trailing shapes on a batchable model; None if
+        they cannot be stacked or the stacked run fails (then each runs alone)."""
+        assert self.session is not None
+        specs = self.session.info.inputs
+        if not all(s.shape and s.shape[0] is None for s in specs):
+            return None
+        first = feeds[0]
+        if any(f[s.name].shape[1:] != first[s.name].shape[1:] for f in feeds for s in specs):
+            return None
+        try:
+            return self._stacked_run(feeds)
+        except Exception:  # noqa: BLE001 - run them one by one: each error is its item's
+            log.debug("stacked run of a chunk failed; running its %d items one by one", len(feeds))
+            return None
 
     def _run(self, stack: bool, ready: list[TaskSpec], feeds: dict[int, Any], results: dict[int, Any],
              plan: dict[int, Placed]) -> None:
@@ -232,13 +284,17 @@ class Worker:
         return out
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
-        assert self.session is not None
         self.status[0] = STACKED
         for t in ready:
             faults.inject(t.fault, "run")
+        return self._stacked_run([feeds[t.task_id] for t in ready])
+
+    def _stacked_run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Concatenate on axis 0, run once, split the outputs back (each item its rows)."""
+        assert self.session is not None
         names = [s.name for s in self.session.info.inputs]
-        counts = [feeds[t.task_id][names[0]].shape[0] for t in ready]
-        stacked = {n: np.concatenate([feeds[t.task_id][n] for t in ready]) for n in names}
+        counts = [f[names[0]].shape[0] for f in feeds]
+        stacked = {n: np.concatenate([f[n] for f in feeds]) for n in names}
         out = self.session.run(stacked, self.boot.task_timeout)
         total = sum(counts)
         for name, arr in out.items():
@@ -246,7 +302,7 @@ class Worker:
                 raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
         bounds = np.cumsum(counts)[:-1]
         split = {name: np.split(arr, bounds) for name, arr in out.items()}
-        return [{name: split[name][i] for name in out} for i in range(len(ready))]
+        return [{name: split[name][i] for name in out} for i in range(len(feeds))]
 
     def _post(self, outputs: Any, t: TaskSpec) -> Any:
         faults.inject(t.fault, "postprocess")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shm.alloc import align_up
-from workers.protocol import ArrayRef, FlatSkeleton, Hole, Packed, flat_skeleton
+from workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, flat_skeleton
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
@@ -25,7 +25,12 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
         flat = list(obj.values())
         if all(type(a) is np.ndarray and not a.dtype.hasobject for a in flat):
             return flat_skeleton(tuple(obj)), flat
-    arrays: list[np.ndarray] = []
+    if type(obj) is Chunk and all(type(d) is dict for d in obj):  # map()'s chunk of flat dicts
+        arrays: list[np.ndarray] = [a for d in obj for a in d.values()]
+        if all(type(a) is np.ndarray and not a.dtype.hasobject for a in arrays):
+            holes = iter(range(len(arrays)))
+            return Chunk({k: Hole(next(holes)) for k in d} for d in obj), arrays
+    arrays = []
 
     def walk(node: Any) -> Any:
         if isinstance(node, np.ndarray):
@@ -35,6 +40,8 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
             return Hole(len(arrays) - 1)
         if isinstance(node, dict):
             return {k: walk(v) for k, v in node.items()}
+        if type(node) is Chunk:
+            return Chunk(walk(v) for v in node)
         if isinstance(node, (list, tuple)):
             out = [walk(v) for v in node]
             return out if isinstance(node, list) else tuple(out)
@@ -114,6 +121,8 @@ def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
         return arrays[node.at]
     if isinstance(node, dict):
         return {k: _fill(v, arrays) for k, v in node.items()}
+    if type(node) is Chunk:
+        return Chunk(_fill(v, arrays) for v in node)
     if isinstance(node, list):
         return [_fill(v, arrays) for v in node]
     if isinstance(node, tuple):

@@ -44,6 +44,12 @@ class Hole(NamedTuple):
     at: int  # the array's index in Packed.arrays
 
 
+class Chunk(list):  # type: ignore[type-arg]
+    """The items of one chunk task (`Engine.map` with chunks): one task to the engine, run
+    together in one worker; in the Result, one outcome per item, in order (its outputs, or the
+    RemoteError of that item alone)."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One model input or output: dtype is a numpy dtype string, None marks a dynamic dim."""

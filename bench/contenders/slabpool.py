@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -9,10 +10,13 @@ from bench.contenders.base import Done, FutureHandle, Skipped, windowed
 
 
 class Slabpool:
-    def __init__(self, window_per_worker: int, batch: int = 1, cluster: str = "local") -> None:
+    def __init__(self, window_per_worker: int, batch: int = 1, cluster: str = "local", use_map: bool = False) -> None:
         self.name = "slabpool+batch" if batch > 1 else "slabpool"
         self.note = (f"Engine(forkserver, max_batch_size={batch}, max_batch_wait_ms=2)" if batch > 1
                      else "Engine(forkserver), no batching")
+        self._map = use_map
+        if use_map:
+            self.name, self.note = "slabpool map", "Engine.map(items): chunks sized from the measured run time"
         if cluster == "ray":
             self.name, self.note = "slabpool-ray", "Engine(cluster='ray'): slots are Ray actors, our ledger replays"
         self._per_worker, self._batch, self._cluster = window_per_worker, batch, cluster
@@ -37,6 +41,10 @@ class Slabpool:
         self.engine = Engine(model, workers=workers, start_method="forkserver", **kw)
 
     def run(self, items: Sequence[Any]) -> Iterator[Done]:
+        if self._map:  # the engine submits; no per-item submission time: latency not measured
+            for res in self.engine.map(items, window=self._window * 16):
+                yield Done(res.outputs, math.nan)
+            return
         submit = self.engine.submit
 
         def start(item: Any, on_done: Any) -> FutureHandle:

@@ -4,6 +4,7 @@ Both use forkserver; the worker initializer builds the session; arrays travel pi
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -65,3 +66,17 @@ class MpPool(NoSample):
             self._pool.close()
             self._pool.join()
             self._pool = None
+
+
+class MpPoolImap(MpPool):
+    name = "mp.Pool imap"
+    note = "multiprocessing.Pool.imap, chunksize as Pool.map picks it (items / (4 x workers))"
+
+    def setup(self, model: str, workers: int) -> None:
+        super().setup(model, workers)
+        self._workers = workers
+
+    def run(self, items: Sequence[Any]) -> Iterator[Done]:
+        chunksize = max(1, len(items) // (4 * self._workers))  # Pool.map's own default
+        for out in self._pool.imap(run_item, items, chunksize=chunksize):
+            yield Done(out, math.nan)  # the pool submits: no per-item latency

@@ -1,0 +1,119 @@
+"""Engine.map with chunks: several items as one task, each item with its own outcome.
+
+Checked against per-item references: order, identity of each item's rows, per-item errors
+(at the door, in the runtime, in a preprocess), a poison item that kills workers inside a
+chunk (it fails alone), chunk sizes that follow the measured run time, abandoning the map."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import Engine
+from engine.errors import InputContractError, PoisonTask, SessionRunError
+from engine.frontend import MAX_CHUNK, _Pace
+from tests.models import onnx_models
+from tests.reference import ort_run
+
+RNG = np.random.default_rng(7)
+
+
+def _close(got, want, exact: bool = False) -> None:  # type: ignore[no-untyped-def]
+    assert set(got) == set(want)
+    for k, v in want.items():  # stacked runs: ORT's bits may depend on batch size (see test_batching)
+        assert got[k].shape == v.shape
+        if exact:
+            assert got[k].tobytes() == v.tobytes()
+        else:
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+@pytest.mark.parametrize("stacked", [False, True], ids=["one by one", "stacked"])
+def test_chunked_map_equals_one_task_per_item(models, chunk, stacked) -> None:  # type: ignore[no-untyped-def]
+    items = [{"x": RNG.standard_normal((int(n), 16)).astype(np.float32)} for n in RNG.integers(1, 4, 500)]
+    settings = {"max_batch_size": 64} if stacked else {}  # dynamic batching on: chunks stack too
+    with Engine(models.mlp, workers=2, **settings) as eng:
+        results = list(eng.map(items, chunk=chunk))
+        st = eng.stats()
+    assert len(results) == len(items)
+    for it, res in zip(items, results, strict=True):
+        _close(res.outputs, ort_run(models.mlp, it), exact=not stacked)  # each item its own rows
+        for arr in res.outputs.values():
+            assert arr.flags.writeable
+    if chunk == 64:
+        assert st.accepted == -(-len(items) // 64)  # one task per chunk
+        ids = [r.task_id for r in results]
+        assert ids == sorted(ids) and len(set(ids)) == st.accepted
+    if chunk is None:
+        assert st.accepted < len(items) // 4  # tiny items: chunks grew from the measured run time
+    assert st.completed == st.accepted and st.failed == 0
+
+
+def test_items_that_fail_in_the_runtime_fail_alone_inside_a_chunk(models) -> None:  # type: ignore[no-untyped-def]
+    idx = [0, 3, 99, 5, -50, 9, 1, 2]  # 99 and -50 are outside the table: InvalidArgument
+    items = [{"idx": np.array([i], np.int64), "x": np.ones((1, 4), np.float32)} for i in idx]
+    with Engine(models.poison, workers=1) as eng:
+        outs = list(eng.map(items, chunk=8, return_exceptions=True))
+        with pytest.raises(SessionRunError):
+            list(eng.map(items, chunk=8))  # without return_exceptions: raises at its position
+        assert eng.stats().restarts == 0  # a runtime error leaves the worker serving
+    for i, it, out in zip(idx, items, outs, strict=True):
+        if -10 <= i <= 9:
+            _close(out.outputs, onnx_models.poison_reference(it["idx"], it["x"]))
+        else:
+            assert isinstance(out, SessionRunError), out
+            assert "indices" in str(out) and out.task_id == outs[0].task_id  # the item's own error
+
+
+def test_a_poison_item_inside_a_chunk_fails_alone(models) -> None:  # type: ignore[no-untyped-def]
+    items = [{"x": RNG.standard_normal((1, 16)).astype(np.float32), "kill": i == 3} for i in range(8)]
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:kill_flagged", max_attempts=2) as eng:
+        outs = list(eng.map(items, chunk=8, return_exceptions=True))
+        st = eng.stats()
+    assert isinstance(outs[3], PoisonTask)
+    for i, (it, out) in enumerate(zip(items, outs, strict=True)):
+        if i != 3:
+            _close(out.outputs, ort_run(models.mlp, {"x": it["x"]}))
+    assert st.quarantined == 2  # the chunk, then the item alone; its 7 mates were run again and done
+    assert st.restarts == 4
+
+
+def test_a_bad_item_is_refused_at_the_door(models) -> None:  # type: ignore[no-untyped-def]
+    items = [{"x": np.ones((1, 16), np.float32)}] * 5 + [{"x": np.ones((1, 15), np.float32)}]
+    with Engine(models.mlp, workers=1) as eng:
+        with pytest.raises(InputContractError, match="axis 1 must be 16"):
+            list(eng.map(items, chunk=4))
+        assert list(eng.map(items[:5], chunk=4))  # the engine goes on
+
+
+def test_abandoning_a_chunked_map_cancels_what_is_queued(models) -> None:  # type: ignore[no-untyped-def]
+    items = ({"x": np.ones((1, 16), np.float32)} for _ in range(10_000))
+    with Engine(models.mlp, workers=1) as eng:
+        it = eng.map(items, chunk=16, window=64)
+        first = next(it)
+        it.close()
+        st = eng.stats()
+        assert first.outputs["probs"].shape == (1, 8)
+        assert st.accepted <= 64 // 16 + 1  # the window bounds what was ever submitted
+
+
+def test_chunk_size_follows_the_measured_run_time() -> None:
+    pace = _Pace()
+    assert pace.chunk(None, 2) == 1  # nothing measured yet
+    pace.observe(0.010, 1)  # 10 ms an item: one by one
+    assert pace.chunk(None, 2) == 1
+    pace = _Pace()
+    pace.observe(0.0002, 40)  # 5 us an item
+    assert pace.chunk(None, 2) == MAX_CHUNK
+    assert pace.chunk(64, 2) == 16  # two tasks per worker within the caller's window
+
+
+def test_chunks_are_off_where_they_cannot_apply(models) -> None:  # type: ignore[no-untyped-def]
+    items = [{"x": np.ones((1, 16), np.float32)}] * 40
+    with Engine(models.mlp, workers=1, task_timeout=30) as eng:  # a limit per task, not per item
+        assert len(list(eng.map(items, chunk=8))) == 40
+        assert eng.stats().accepted == 40
+    with pytest.raises(ValueError, match="chunk"):
+        with Engine(models.mlp, workers=1) as eng:
+            list(eng.map(items, chunk=0))
