@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+import numpy as np
+
 from engine import errors as E
 from engine.admission import TaskQueue
 from engine.aio import AsyncEngineMixin
@@ -148,6 +150,7 @@ class Frontend(AsyncEngineMixin):
                 group = list(itertools.islice(it, size))
                 if not group:
                     break
+                pace.weigh(group[0])
                 fut = self.submit(group[0], context=context) if len(group) == 1 else self._submit_chunk(group, context)
                 pending.append((fut, group))
                 in_flight += len(group)
@@ -248,6 +251,7 @@ class Frontend(AsyncEngineMixin):
 
 CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%
 MAX_CHUNK = 256  # items per chunk task at most
+MAX_CHUNK_BYTES = 16 * 1024 * 1024  # input bytes per chunk task at most (shared memory, queue_bytes)
 
 
 class _Pace:
@@ -256,15 +260,21 @@ class _Pace:
 
     def __init__(self) -> None:
         self.per_item: float | None = None
+        self.item_bytes = 0  # array bytes of the latest item looked at
 
     def observe(self, run_s: float, items: int) -> None:
         per = run_s / max(items, 1)
         self.per_item = per if self.per_item is None else 0.8 * self.per_item + 0.2 * per
 
+    def weigh(self, item: Any) -> None:
+        if isinstance(item, dict):
+            self.item_bytes = sum(v.nbytes for v in item.values() if isinstance(v, np.ndarray))
+
     def chunk(self, window: int | None, workers: int) -> int:
         if self.per_item is None:
             return 1  # nothing measured yet: a task per item
-        size = max(1, min(MAX_CHUNK, int(CHUNK_TARGET_S / max(self.per_item, 1e-7))))
+        size = max(1, min(MAX_CHUNK, int(CHUNK_TARGET_S / max(self.per_item, 1e-7)),
+                          MAX_CHUNK_BYTES // max(self.item_bytes, 1)))
         if window:  # keep two tasks per worker in flight within the caller's window
             size = max(1, min(size, window // (2 * workers)))
         return size

@@ -107,6 +107,8 @@ def test_chunk_size_follows_the_measured_run_time() -> None:
     pace.observe(0.0002, 40)  # 5 us an item
     assert pace.chunk(None, 2) == MAX_CHUNK
     assert pace.chunk(64, 2) == 16  # two tasks per worker within the caller's window
+    pace.weigh({"x": np.zeros(1 << 20, np.float32)})  # 4 MiB items: 16 MiB of inputs a chunk at most
+    assert pace.chunk(None, 2) == 4
 
 
 def test_chunks_are_off_where_they_cannot_apply(models) -> None:  # type: ignore[no-untyped-def]

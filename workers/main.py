@@ -12,6 +12,7 @@ its supervisor dies, whatever kills it.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import logging
@@ -23,7 +24,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -212,24 +213,27 @@ class Worker:
             _seed(t.seed)
         items = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
+        # the context is bound by the caller (_guarded); per item, only errors are caught
         if self.boot.preprocess is None:  # each item passed the contract at the door as it is
             outs: list[Any] = list(items)
         else:
-            outs = [self._guarded(t, "preprocess", functools.partial(self._prepare_item, it)) for it in items]
+            with self._fields(t, "preprocess"):
+                outs = [self._attempt("preprocess", functools.partial(self._prepare_item, it)) for it in items]
         ok = [i for i, f in enumerate(outs) if not isinstance(f, RemoteError)]
         if self.session is not None and ok:
-            session = self.session
+            run, timeout = self.session.run, self.boot.task_timeout
             faults.inject(t.fault, "run")
             stack = self.boot.stack_chunks and len(ok) > 1  # opt-in, as dynamic batching: bits may move
             stacked = self._stack_items([outs[i] for i in ok]) if stack else None
             for n, i in enumerate(ok):
-                run = functools.partial(session.run, outs[i], self.boot.task_timeout)
-                outs[i] = stacked[n] if stacked is not None else self._guarded(t, "run", run)
+                outs[i] = stacked[n] if stacked is not None else self._attempt("run", functools.partial(run, outs[i], timeout))
         if self.boot.postprocess is not None:
             faults.inject(t.fault, "postprocess")
-            for i in ok:
-                if not isinstance(outs[i], RemoteError):
-                    outs[i] = self._guarded(t, "postprocess", functools.partial(self.boot.postprocess, outs[i], items[i]))
+            post = self.boot.postprocess
+            with self._fields(t, "postprocess"):
+                for i in ok:
+                    if not isinstance(outs[i], RemoteError):
+                        outs[i] = self._attempt("postprocess", functools.partial(post, outs[i], items[i]))
         return Chunk(outs)
 
     def _stack_items(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
@@ -313,23 +317,33 @@ class Worker:
     def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
         """Run one stage of one task with its context bound; an error becomes a RemoteError."""
         self.status[0] = t.task_id
+        with self._fields(t, stage), context.bind(t.context):
+            return self._attempt(stage, thunk)
+
+    @contextlib.contextmanager
+    def _fields(self, t: TaskSpec, stage: str) -> Iterator[None]:
+        """The task's fields on every log record of this stage."""
         token = task_fields.set({"task_id": t.task_id, "attempt": t.attempt, "stage": stage})
         try:
-            with context.bind(t.context):
-                try:
-                    return thunk()
-                except InputContractError as exc:
-                    err = remote_error(exc, "contract")
-                except RunTimeout as exc:
-                    err = remote_error(exc, "timeout")
-                except DeadlinePassed as exc:
-                    err = remote_error(exc, "deadline")
-                except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-                    err = remote_error(exc, "run")
-                log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
-                return err
+            yield
         finally:
             task_fields.reset(token)
+
+    @staticmethod
+    def _attempt(stage: str, thunk: Callable[[], Any]) -> Any:
+        """thunk(), or its error as a RemoteError (logged)."""
+        try:
+            return thunk()
+        except InputContractError as exc:
+            err = remote_error(exc, "contract")
+        except RunTimeout as exc:
+            err = remote_error(exc, "timeout")
+        except DeadlinePassed as exc:
+            err = remote_error(exc, "deadline")
+        except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
+            err = remote_error(exc, "run")
+        log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
+        return err
 
     # -- step 7: outputs into shared memory ----------------------------------------------------
 

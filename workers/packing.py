@@ -98,7 +98,11 @@ def unpack(
     copy: bool = False,
     readonly: bool = False,
 ) -> Any:
-    """Rebuild the structure: views into the arena (or private copies when `copy`)."""
+    """Rebuild the structure: views into the arena (or private copies when `copy`; for a
+    Chunk, one copy of the region its arrays span and views into it: one allocation, not one
+    per array)."""
+    if copy and type(packed.skeleton) is Chunk and packed.arrays:
+        return _fill(packed.skeleton, _copy_block(packed.arrays, array_at))
     arrays = []
     for ref in packed.arrays:
         a = array_at(ref.offset, np.dtype(ref.dtype), ref.shape)
@@ -114,6 +118,17 @@ def unpack(
     if isinstance(sk, dict) and all(type(v) is Hole for v in sk.values()):
         return {k: arrays[v.at] for k, v in sk.items()}
     return _fill(sk, arrays)
+
+
+def _copy_block(
+    refs: tuple[ArrayRef, ...], array_at: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray]
+) -> list[np.ndarray]:
+    dtypes = [np.dtype(r.dtype) for r in refs]
+    ends = [r.offset + dt.itemsize * math.prod(r.shape) for r, dt in zip(refs, dtypes, strict=True)]
+    low = min(r.offset for r in refs)
+    block = array_at(low, np.dtype(np.uint8), (max(ends) - low,)).copy()
+    return [block[r.offset - low : end - low].view(dt).reshape(r.shape)
+            for r, dt, end in zip(refs, dtypes, ends, strict=True)]
 
 
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
