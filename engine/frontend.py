@@ -131,8 +131,8 @@ class Frontend(AsyncEngineMixin):
         A chunk's items run in one worker, one by one (byte-identical to a task each), or
         stacked into one session call when dynamic batching is on (max_batch_size > 1: the
         same float tolerance as batching); each keeps its own outcome, and its Result carries
-        the chunk's task id. A chunk that kills workers runs again item by item, so a poison
-        item fails alone."""
+        the chunk's task id (and stats() counts it as one task). A chunk that kills workers
+        runs again item by item, so a poison item fails alone."""
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
         auto = chunk is None and self._chunks_ok()
