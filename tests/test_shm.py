@@ -126,3 +126,29 @@ def test_sweep_removes_names_of_a_dead_instance_only(tmp_path):
 
 def test_mmap_page_alignment_assumption():
     assert mmap.PAGESIZE % ALIGN == 0
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `addr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("nbytes", [64, 4 << 20, 9 << 20])
+def test_private_copies_are_owned_and_large_ones_ask_for_ordinary_pages(nbytes):
+    from shm.pages import HUGE, private_copy
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)[::1]
+    view = src.view(np.float32).reshape(-1, 4) if nbytes % 16 == 0 else src
+    got = private_copy(view)
+    assert got.tobytes() == view.tobytes() and got.flags.owndata and got.flags.writeable and got.flags.c_contiguous
+    if nbytes >= HUGE:  # MADV_NOHUGEPAGE shows as "nh" on the mapping that holds it
+        assert "nh" in _vm_flags(got.ctypes.data + got.nbytes // 2)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from shm.alloc import align_up
+from shm.pages import private_copy
 from workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, flat_skeleton
 
 
@@ -107,7 +108,7 @@ def unpack(
     for ref in packed.arrays:
         a = array_at(ref.offset, np.dtype(ref.dtype), ref.shape)
         if copy:
-            a = a.copy()
+            a = private_copy(a)
         elif readonly:
             a = a.view()
             a.flags.writeable = False
@@ -126,7 +127,7 @@ def _copy_block(
     dtypes = [np.dtype(r.dtype) for r in refs]
     ends = [r.offset + dt.itemsize * math.prod(r.shape) for r, dt in zip(refs, dtypes, strict=True)]
     low = min(r.offset for r in refs)
-    block = array_at(low, np.dtype(np.uint8), (max(ends) - low,)).copy()
+    block = private_copy(array_at(low, np.dtype(np.uint8), (max(ends) - low,)))
     return [block[r.offset - low : end - low].view(dt).reshape(r.shape)
             for r, dt, end in zip(refs, dtypes, ends, strict=True)]
 
