@@ -398,11 +398,15 @@ class Worker:
             outcomes.append(Outcome(t.task_id, res.packed))
         return tuple(outcomes)
 
+    def _read_waiting(self) -> None:
+        """Every message already in the pipe, into `pending` (read while a batch runs)."""
+        while self.conn.poll():
+            self.pending.append(decode(self.conn.recv()))
+
     def _granted(self, batch_id: int) -> tuple[int, int]:
         """The region of an OutputGrant for this batch already in the pipe (sent when the batch
         became its slot's head), without waiting; (-1, 0) if none is there."""
-        while self.conn.poll():
-            self.pending.append(decode(self.conn.recv()))
+        self._read_waiting()
         for msg in self.pending:
             if isinstance(msg, OutputGrant) and msg.batch_id == batch_id and not msg.error:
                 self.pending.remove(msg)
@@ -412,8 +416,7 @@ class Worker:
     def _ask_output(self, batch_id: int, nbytes: int) -> tuple[int, str]:
         """A region of at least `nbytes` for this batch. The grant may already wait in the pipe
         (sent when the batch became its slot's head); else ask. Smaller grants are stale."""
-        while self.conn.poll():
-            self.pending.append(decode(self.conn.recv()))
+        self._read_waiting()
         for msg in [m for m in self.pending if isinstance(m, OutputGrant)]:
             self.pending.remove(msg)
             if msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
