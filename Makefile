@@ -1,33 +1,44 @@
 # Every target sets itself up: a fresh machine needs only Python 3.11 and make.
+# `make run` installs the package alone (numpy, onnxruntime, psutil, tqdm); the test, bench and
+# check targets add the extras they need (LiteRT, Ray, pyarrow, pytest, the competing pools).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
-EXTRAS := litert,test,bench,dev,metrics,ray
+HASH   := $(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+BASE   := $(VENV)/.installed-base-$(HASH)
+FULL   := $(VENV)/.installed-full-$(HASH)
+EXTRAS := litert,parquet,test,bench,dev,metrics,ray
 
 .PHONY: run test test-fast bench check venv clean
 
-venv: $(STAMP)
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
-	rm -f $(VENV)/.installed-* && touch $@
 
-run: venv         ## the main job on the bundled demo model (~20 s)
+$(BASE): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
+	rm -f $(VENV)/.installed-base-* && touch $@
+
+$(FULL): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-* && touch $(BASE) $@
+
+venv: $(FULL)
+
+run: $(BASE)       ## the main job on the bundled demo model (~20 s)
 	$(BIN)/slabpool run
 
-test: venv        ## the whole suite, slow cases included (a few minutes on 2 cores)
+test: $(FULL)      ## the whole suite, slow cases included (a few minutes on 2 cores)
 	$(BIN)/python -m pytest -q
 
-test-fast: venv   ## everything but the cases marked slow
+test-fast: $(FULL) ## everything but the cases marked slow
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: venv       ## slabpool vs the alternatives, side by side; writes bench/results/
+bench: $(FULL)     ## slabpool vs the alternatives, side by side; writes bench/results/
 	$(BIN)/python -m bench
 
-check: venv       ## ruff + mypy
-	$(BIN)/ruff check engine workers shm tests bench
+check: $(FULL)     ## ruff + mypy
+	$(BIN)/ruff check slabpool engine workers shm tests bench
 	$(BIN)/mypy
 
 clean:

@@ -86,7 +86,7 @@ def crash_figures(w: Workload, model: str, workers: int, distinct: list[Feeds], 
 
 def _cold_and_recovery(fig: CrashFigures, current: _Current, model: str, distinct: list[Feeds], refs: list[Outputs],
                        trials: int) -> None:
-    from engine import Engine
+    from slabpool import Engine
 
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def _one_recovery(eng: Any, item: Feeds, ref: Outputs) -> tuple[float, float]:
 
 def _kill_per_second(fig: CrashFigures, current: _Current, w: Workload, model: str, workers: int, distinct: list[Feeds],
                      refs: list[Outputs], seconds: float) -> None:
-    from engine import Engine
+    from slabpool import Engine
 
     window = w.window_per_worker * workers
     with Engine(model, workers=workers, start_method="forkserver", max_attempts=50) as eng:

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from engine import Engine
-from engine.errors import SessionInitError
+from slabpool import Engine
+from slabpool.workers.errors import SessionInitError
 from tests.models import onnx_models
 
 

@@ -1,4 +1,4 @@
-"""slabpool's engine: model inference on every core, one session per worker process.
+"""slabpool.engine: policy in the caller's process; model inference on every core, one session per worker process.
 
     |============== caller process ===============|====== worker process, slot k ======|
      Engine.submit()       supervisor thread          pipe k        workers.main
@@ -32,8 +32,8 @@ Actors:
   Tiny tasks go to a slot in groups (one message each way); with max_batch_size they are
   stacked into one session call. Hot model swaps: engine.reload.
 - `Slot` (engine.slot): one worker process and its private pipe (one per incarnation).
-- `workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
-- `shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
+- `slabpool.workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
+- `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
 Lifecycles (engine.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
 READY <-> BUSY -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
@@ -41,29 +41,3 @@ Importing `engine` imports no runtime: onnxruntime and LiteRT load inside the wo
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.api import Engine
-    from engine.stats import EngineStats, ModelDescription, SlotStats
-    from engine.task import Result, Timings
-
-__all__ = ["Engine", "EngineStats", "ModelDescription", "Result", "SlotStats", "Timings"]
-
-_LAZY = {
-    "Engine": "engine.api",
-    "EngineStats": "engine.stats",
-    "ModelDescription": "engine.stats",
-    "SlotStats": "engine.stats",
-    "Result": "engine.task",
-    "Timings": "engine.task",
-}
-
-
-def __getattr__(name: str) -> Any:  # lazy: `import engine.errors` in a worker stays light
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")

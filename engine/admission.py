@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import QueueFull, TaskCancelled
-from engine.task import Batch, Task
+from slabpool.engine.task import Batch, Task
+from slabpool.workers.errors import QueueFull, TaskCancelled
 
 MAX_GROUP = 32  # tasks in one group (one message each way)
 MIN_GROUP = 8  # tiny tasks per slot worth a message sent ahead to a busy slot

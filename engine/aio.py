@@ -31,18 +31,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
-from engine.errors import QueueFull, TaskCancelled
+from slabpool.workers.errors import QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.task import Result
+    from slabpool.engine.config import EngineConfig
+    from slabpool.engine.task import Result
 
 T = TypeVar("T")
 INLINE_COPY_BYTES = 1 << 20  # larger inputs are copied into shared memory off the loop thread
 
 
 class _Host(Protocol):
-    """What the async front end needs of an engine (`engine.api.Engine` provides it)."""
+    """What the async front end needs of an engine (`slabpool.engine.api.Engine` provides it)."""
 
     @property
     def config(self) -> EngineConfig: ...

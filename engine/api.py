@@ -14,21 +14,28 @@ from typing import Any
 
 import psutil
 
-from engine import errors as E
-from engine.admission import TaskQueue, superseded_error
-from engine.config import EngineConfig, resolve
-from engine.frontend import Frontend, TaskFuture
-from engine.metrics import Metrics, render
-from engine.reload import Reload
-from engine.states import EngineState, TaskState
-from engine.stats import EngineStats, SlotStats
-from engine.supervisor import Supervisor
-from engine.task import Result, Task
-from shm import Arena, CapacityError, InstanceLock, check_capacity, new_instance_id, sweep_dead_instances
-from workers import packing
-from workers.main import WorkerBoot
-from workers.protocol import Chunk, FaultSpec, SessionInfo
-from workers.session import SessionSpec, detect_backend
+from slabpool.engine.admission import TaskQueue, superseded_error
+from slabpool.engine.config import EngineConfig, resolve
+from slabpool.engine.frontend import Frontend, TaskFuture
+from slabpool.engine.metrics import Metrics, render
+from slabpool.engine.reload import Reload
+from slabpool.engine.states import EngineState, TaskState
+from slabpool.engine.stats import EngineStats, SlotStats
+from slabpool.engine.supervisor import Supervisor
+from slabpool.engine.task import Result, Task
+from slabpool.shm import (
+    Arena,
+    CapacityError,
+    InstanceLock,
+    check_capacity,
+    new_instance_id,
+    sweep_dead_instances,
+)
+from slabpool.workers import errors as E
+from slabpool.workers import packing
+from slabpool.workers.main import WorkerBoot
+from slabpool.workers.protocol import Chunk, FaultSpec, SessionInfo
+from slabpool.workers.session import SessionSpec, detect_backend
 
 
 class Engine(Frontend):
@@ -44,7 +51,7 @@ class Engine(Frontend):
 
     def __new__(cls, model: str | os.PathLike[str] | None = None, **settings: Any) -> Any:
         if settings.get("cluster", "local") == "ray" and cls is Engine:
-            from engine.ray_backend import RayEngine  # same API, slots are Ray actors
+            from slabpool.engine.ray_backend import RayEngine  # same API, slots are Ray actors
 
             return RayEngine(model, **settings)
         return super().__new__(cls)

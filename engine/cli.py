@@ -27,9 +27,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from engine.errors import EngineError
-from engine.job import JobSpec, run_job, summary
-from engine.job_io import JobError, write_atomic
+from slabpool import __version__
+from slabpool.engine.job import JobSpec, run_job, summary
+from slabpool.engine.job_io import JobError, write_atomic
+from slabpool.workers.errors import EngineError
 
 DEMO_ITEMS = 512
 RUN_EXAMPLES = """\
@@ -76,6 +77,7 @@ def build_parser() -> Parser:
                            "through shared memory, crashes replayed.",
                epilog="example:\n  slabpool run model.onnx in.npy -o out.npy    (slabpool run alone: the demo)")
     p.add_argument("--verbose", "-v", action="store_true", help="tracebacks and engine logs")
+    p.add_argument("--version", action="version", version=f"slabpool {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     run = sub.add_parser("run", help="map a model over items (resumable); no arguments: the demo",
@@ -181,9 +183,7 @@ def _report_run(spec: JobSpec) -> int:
 
 
 def demo_model() -> Path:
-    import engine
-
-    return Path(engine.__file__).parent / "data" / "demo.onnx"
+    return Path(__file__).parent / "data" / "demo.onnx"
 
 
 def demo_folder() -> Path:
@@ -228,7 +228,7 @@ def _dims(shape: tuple[int | None, ...]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, argv: list[str]) -> int:
-    from engine.api import Engine
+    from slabpool.engine.api import Engine
 
     if not args.model.is_file():
         raise JobError(f"model not found: {args.model}")
@@ -285,7 +285,7 @@ def _mib(n: float) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
-    from engine.config import usable_cpus
+    from slabpool.engine.config import usable_cpus
 
     try:
         vfs = os.statvfs("/dev/shm")
@@ -330,8 +330,8 @@ def random_item(specs: Any, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from engine.api import Engine
-    from engine.config import usable_cpus
+    from slabpool.engine.api import Engine
+    from slabpool.engine.config import usable_cpus
 
     if not args.model.is_file():
         raise JobError(f"model not found: {args.model}")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from workers.session import Backend, SessionSpec, detect_backend
+from slabpool.workers.session import Backend, SessionSpec, detect_backend
 
 MiB = 1 << 20
 Admission = Literal["block", "reject", "drop_oldest"]

@@ -16,15 +16,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine import errors as E
-from engine.admission import TaskQueue
-from engine.aio import AsyncEngineMixin
-from engine.config import EngineConfig
-from engine.states import EngineState
-from engine.stats import ModelDescription
-from engine.task import Result, Task
-from workers import contract
-from workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec
+from slabpool.engine.admission import TaskQueue
+from slabpool.engine.aio import AsyncEngineMixin
+from slabpool.engine.config import EngineConfig
+from slabpool.engine.states import EngineState
+from slabpool.engine.stats import ModelDescription
+from slabpool.engine.task import Result, Task
+from slabpool.workers import contract
+from slabpool.workers import errors as E
+from slabpool.workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec
 
 
 class Control(Protocol):

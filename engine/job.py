@@ -31,8 +31,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from engine import errors as E
-from engine.job_io import (
+from slabpool.engine.job_io import (
     Failure,
     JobError,
     RowError,
@@ -48,7 +47,8 @@ from engine.job_io import (
     write_atomic,
     write_json,
 )
-from engine.task import Result
+from slabpool.engine.task import Result
+from slabpool.workers import errors as E
 
 MAX_SHARD_ITEMS = 10_000  # a shard also closes at this size, to bound memory
 
@@ -290,8 +290,8 @@ class _Run:
             eng.close(cancel_pending=True, timeout=10)
 
     def _start(self) -> Any:
-        from engine.api import Engine
-        from engine.config import usable_cpus
+        from slabpool.engine.api import Engine
+        from slabpool.engine.config import usable_cpus
 
         s = self.spec
         self.workers = s.workers or usable_cpus()

@@ -21,12 +21,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.states import SlotState
+from slabpool.engine.states import SlotState
 
 if TYPE_CHECKING:
-    from engine.api import Engine
-    from engine.stats import EngineStats
-    from engine.task import Timings
+    from slabpool.engine.api import Engine
+    from slabpool.engine.stats import EngineStats
+    from slabpool.engine.task import Timings
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "slabpool"

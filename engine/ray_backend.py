@@ -19,11 +19,11 @@
 Ray gives at-least-once execution and each ObjectRef resolves once; the ledger turns that
 into exactly-once delivery: a completion whose (task id, attempt) is not the one in flight
 is dropped. Admission (block / reject / drop_oldest, deadlines, cancel while queued) is the
-local engine's `TaskQueue`; errors are the same `engine.errors`.
+local engine's `TaskQueue`; errors are the same `slabpool.workers.errors`.
 
 Actors: `RayEngine` (caller's API), `_Ledger` (one thread, the only one that touches slots
 and running tasks; it sleeps on one inbox that Ray's completion callbacks and callers feed),
-`SlotActor` (inside the actor process; `workers.session.load_session` builds its session).
+`SlotActor` (inside the actor process; `slabpool.workers.session.load_session` builds its session).
 """
 
 from __future__ import annotations
@@ -43,21 +43,24 @@ import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError
 
-from engine import context as task_context
-from engine import errors as E
-from engine.admission import TaskQueue, superseded_error
-from engine.config import EngineConfig, resolve
-from engine.errors import Crash
-from engine.frontend import Frontend, TaskFuture
-from engine.states import EngineState, SlotState, TaskState
-from engine.stats import EngineStats, SlotStats
-from engine.task import Batch, Result, Task, Timings
-from workers import contract, faults
-from workers.main import _seed, remote_error  # the worker's own seeding: a replay draws the same numbers
-from workers.protocol import FaultSpec, Packed, RemoteError, SessionInfo
-from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
+from slabpool.engine.admission import TaskQueue, superseded_error
+from slabpool.engine.config import EngineConfig, resolve
+from slabpool.engine.frontend import Frontend, TaskFuture
+from slabpool.engine.states import EngineState, SlotState, TaskState
+from slabpool.engine.stats import EngineStats, SlotStats
+from slabpool.engine.task import Batch, Result, Task, Timings
+from slabpool.workers import context as task_context
+from slabpool.workers import contract, faults
+from slabpool.workers import errors as E
+from slabpool.workers.errors import Crash
+from slabpool.workers.main import (  # the worker's own seeding: a replay draws the same numbers
+    _seed,
+    remote_error,
+)
+from slabpool.workers.protocol import FaultSpec, Packed, RemoteError, SessionInfo
+from slabpool.workers.session import ModelSession, RunTimeout, SessionSpec, load_session
 
-log = logging.getLogger("engine.ray")
+log = logging.getLogger("slabpool.engine.ray")
 
 _UNSUPPORTED = {  # settings of the local engine that the Ray backend does not implement (yet)
     "max_batch_size": 1, "task_timeout": None, "max_tasks_per_worker": None, "worker_memory_limit": None,

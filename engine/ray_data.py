@@ -1,7 +1,7 @@
 """Ray Data adapter: our worker session as the callable class of `Dataset.map_batches`.
 
     from ray.data import ActorPoolStrategy
-    from engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray_data import SlabpoolPredictor
 
     out = ds.map_batches(
         SlabpoolPredictor,
@@ -9,7 +9,7 @@
         compute=ActorPoolStrategy(size=2), num_cpus=0.5, batch_size=256, batch_format="numpy",
     )
 
-One actor of the pool builds one session (`workers.session.load_session`), once. Each batch
+One actor of the pool builds one session (`slabpool.workers.session.load_session`), once. Each batch
 (dict column -> array, N rows) is one task: `preprocess(batch)` -> feeds (default: the columns
 named like the model's inputs), the input contract is checked, `session.run`, then
 `postprocess(outputs, batch)` -> the output columns (default: the other columns of the batch,
@@ -26,19 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from engine import context as task_context
-from engine.config import resolve
-from workers import contract
-from workers.session import ModelSession, load_session
+from slabpool.engine.config import resolve
+from slabpool.workers import context as task_context
+from slabpool.workers import contract
+from slabpool.workers.session import ModelSession, load_session
 
 
 class SlabpoolPredictor:
     """`ds.map_batches(SlabpoolPredictor, fn_constructor_kwargs={"model": path, ...}, ...)`.
 
-    Settings are validated by `engine.config.resolve`, as for `Engine`: `backend`, `providers`,
+    Settings are validated by `slabpool.engine.config.resolve`, as for `Engine`: `backend`, `providers`,
     `delegate`, `delegate_options`, `allow_fallback`, `threads_per_worker`, `preprocess`,
     `postprocess`, `initializer`, `initargs` (hooks as callables or 'module:function').
-    `context` is bound while each batch runs (`engine.context.current()`).
+    `context` is bound while each batch runs (`slabpool.workers.context.current()`).
     """
 
     def __init__(

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import Crash
-from engine.states import TaskState
-from engine.task import Batch, Task
+from slabpool.engine.states import TaskState
+from slabpool.engine.task import Batch, Task
+from slabpool.workers.errors import Crash
 
 IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
 

@@ -19,13 +19,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.errors import EngineError, SessionInitError
-from workers.protocol import SessionInfo
-from workers.session import SessionSpec
+from slabpool.workers.errors import EngineError, SessionInitError
+from slabpool.workers.protocol import SessionInfo
+from slabpool.workers.session import SessionSpec
 
 if TYPE_CHECKING:
-    from engine.slot import Slot
-    from engine.supervisor import Supervisor
+    from slabpool.engine.slot import Slot
+    from slabpool.engine.supervisor import Supervisor
 
 
 class SignatureChanged(EngineError, ValueError):

@@ -15,12 +15,12 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.states import SlotState
-from engine.task import Batch
-from shm.mapping import PassFd
-from workers.main import WorkerBoot, main
-from workers.protocol import SessionInfo, encode
-from workers.wire import FrameReader
+from slabpool.engine.states import SlotState
+from slabpool.engine.task import Batch
+from slabpool.shm.mapping import PassFd
+from slabpool.workers.main import WorkerBoot, main
+from slabpool.workers.protocol import SessionInfo, encode
+from slabpool.workers.wire import FrameReader
 
 
 class Slot:

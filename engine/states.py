@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from engine.errors import EngineInternalError
+from slabpool.workers.errors import EngineInternalError
 
 
 class _Lifecycle(enum.Enum):

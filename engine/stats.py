@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.protocol import TensorSpec
+from slabpool.workers.protocol import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -24,20 +24,20 @@ from typing import Any
 
 import numpy as np
 
-from engine import errors as E
-from engine import recovery
-from engine.admission import MAX_GROUP, MIN_GROUP, TaskQueue
-from engine.config import EngineConfig
-from engine.errors import Crash, crash_hint, describe_exit
-from engine.recovery import IDLE
-from engine.reload import Reload
-from engine.slot import Slot
-from engine.states import SlotState, TaskState
-from engine.task import Batch, Result, Task, Timings
-from shm import Arena
-from workers import packing
-from workers.main import WorkerBoot
-from workers.protocol import (
+from slabpool.engine import recovery
+from slabpool.engine.admission import MAX_GROUP, MIN_GROUP, TaskQueue
+from slabpool.engine.config import EngineConfig
+from slabpool.engine.recovery import IDLE
+from slabpool.engine.reload import Reload
+from slabpool.engine.slot import Slot
+from slabpool.engine.states import SlotState, TaskState
+from slabpool.engine.task import Batch, Result, Task, Timings
+from slabpool.shm import Arena
+from slabpool.workers import errors as E
+from slabpool.workers import packing
+from slabpool.workers.errors import Crash, crash_hint, describe_exit
+from slabpool.workers.main import WorkerBoot
+from slabpool.workers.protocol import (
     BatchDone,
     InitFailed,
     LogRecord,
@@ -51,9 +51,9 @@ from workers.protocol import (
     TaskSpec,
     decode,
 )
-from workers.session import SessionSpec
+from slabpool.workers.session import SessionSpec
 
-log = logging.getLogger("engine")
+log = logging.getLogger("slabpool.engine")
 GROUP_TARGET_S = 0.002  # a group of tiny tasks runs about this long
 MAX_STARTUP_FAILURES = 5
 

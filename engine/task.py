@@ -8,10 +8,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import Crash
-from engine.states import TaskState
-from shm import Lease
-from workers.protocol import FaultSpec, Packed
+from slabpool.engine.states import TaskState
+from slabpool.shm import Lease
+from slabpool.workers.errors import Crash
+from slabpool.workers.protocol import FaultSpec, Packed
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine import Engine
-from engine.errors import EngineClosed, InputContractError, QueueFull
+from slabpool import Engine
+from slabpool.workers.errors import EngineClosed, InputContractError, QueueFull
 
 MODEL = os.environ.get("SLABPOOL_MODEL", os.path.join(os.path.dirname(__file__), "..", "engine", "data", "demo.onnx"))
 WORKERS = int(os.environ.get("SLABPOOL_WORKERS", "0")) or None  # None: every usable CPU

@@ -4,10 +4,10 @@ The supervisor owns every `Arena` (create, lease, release, close); workers `Mapp
 from a passed fd. This package is the only place that creates or unlinks shared memory.
 """
 
-from shm.arena import Arena, Lease, check_capacity
-from shm.errors import CapacityError, LeaseError, ShmError
-from shm.mapping import Mapping
-from shm.sweep import InstanceLock, new_instance_id, sweep_dead_instances
+from slabpool.shm.arena import Arena, Lease, check_capacity
+from slabpool.shm.errors import CapacityError, LeaseError, ShmError
+from slabpool.shm.mapping import Mapping
+from slabpool.shm.sweep import InstanceLock, new_instance_id, sweep_dead_instances
 
 __all__ = [
     "Arena",

@@ -2,7 +2,7 @@
 
 `RangeAllocator` hands out `[offset, offset + size)` ranges of one address space, every
 offset aligned to `ALIGN` (64 bytes: a cache line, and aligned for every numpy dtype).
-The arena (`shm.arena`) wraps it with the memory, the lock and the lease objects.
+The arena (`slabpool.shm.arena`) wraps it with the memory, the lock and the lease objects.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An arena: one shared-memory segment, committed as it grows, leased out in 64-byte ranges.
 
 The supervisor creates every arena and is its only owner: it alone leases, releases, grows
-and closes. A worker maps the same memory from a passed fd (`shm.mapping`), cannot resize it
+and closes. A worker maps the same memory from a passed fd (`slabpool.shm.mapping`), cannot resize it
 (memfd seals) and can read only the ranges a task names.
 
     create: memfd_create (no name, freed with its last fd or mapping)
@@ -11,7 +11,7 @@ and closes. A worker maps the same memory from a passed fd (`shm.mapping`), cann
     close:  munmap, close fd; the memory goes when the last worker's mapping goes
 
 Fallback where memfd is missing or refused: shm_open with a random `slabpool-` name,
-O_EXCL, mode 0600, unlinked at once (see `shm.sweep` for the microseconds it has a name).
+O_EXCL, mode 0600, unlinked at once (see `slabpool.shm.sweep` for the microseconds it has a name).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Literal
 
 import numpy as np
 
-from shm.alloc import RangeAllocator, align_up
-from shm.capacity import Headroom, dev_shm_available, mem_available
-from shm.errors import CapacityError, LeaseError
-from shm.sweep import PREFIX
+from slabpool.shm.alloc import RangeAllocator, align_up
+from slabpool.shm.capacity import Headroom, dev_shm_available, mem_available
+from slabpool.shm.errors import CapacityError, LeaseError
+from slabpool.shm.sweep import PREFIX
 
 Backend = Literal["memfd", "posix"]
 MiB = 1 << 20

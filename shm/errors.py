@@ -1,4 +1,4 @@
-"""Errors of the shared-memory layer. `engine.errors` maps them onto the public tree."""
+"""Errors of the shared-memory layer. `slabpool.workers.errors` maps them onto the public tree."""
 
 from __future__ import annotations
 

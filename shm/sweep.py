@@ -15,10 +15,10 @@ import logging
 import os
 import secrets
 
-from shm.capacity import DEV_SHM
+from slabpool.shm.capacity import DEV_SHM
 
 PREFIX = "slabpool-"
-log = logging.getLogger("shm")
+log = logging.getLogger("slabpool.shm")
 
 
 def new_instance_id() -> str:

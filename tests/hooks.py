@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import context
+from slabpool.workers import context
 
 
 def double(item: Any) -> Any:

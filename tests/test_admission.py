@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from engine.admission import TaskQueue
-from engine.task import Batch, Task
-from workers.protocol import Packed
+from slabpool.engine.admission import TaskQueue
+from slabpool.engine.task import Batch, Task
+from slabpool.workers.protocol import Packed
 
 
 class Wakes:

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import Engine, aio
-from engine.errors import QueueFull, SessionRunError, TaskCancelled
+from slabpool import Engine
+from slabpool.engine import aio
+from slabpool.workers.errors import QueueFull, SessionRunError, TaskCancelled
 from tests.models import onnx_models
 
 DEADLOCK_S = 60.0

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import PoisonTask, SessionRunError
+from slabpool import Engine
+from slabpool.workers.errors import PoisonTask, SessionRunError
+from slabpool.workers.protocol import FaultSpec
 from tests.reference import litert_run, ort_run
-from workers.protocol import FaultSpec
 
 RNG = np.random.default_rng(0)
 

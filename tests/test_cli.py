@@ -24,12 +24,12 @@ import numpy as np
 import psutil
 import pytest
 
-from engine import Engine
-from engine.job_io import read_output
+from slabpool import Engine
+from slabpool.engine.job_io import read_output
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-CLI = [sys.executable, "-m", "engine.cli"]
+CLI = [sys.executable, "-m", "slabpool.engine.cli"]
 DEADLINE = 120  # only a hang reaches it
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import (
+from slabpool import Engine
+from slabpool.workers.errors import (
     EngineClosed,
     InputContractError,
     QueueFull,
@@ -317,8 +317,8 @@ def test_not_enough_memory_for_the_arenas(models):
 SMALL_DEV_SHM = textwrap.dedent(
     """
     import sys
-    from engine import Engine
-    from engine.errors import ShmCapacityError
+    from slabpool import Engine
+    from slabpool.workers.errors import ShmCapacityError
     if __name__ == "__main__":
         try:
             Engine(sys.argv[1], workers=1, shm_backend="posix")

@@ -20,10 +20,10 @@ import time
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import PoisonTask, SessionInitError, TaskTimeout, WorkerCrashed
+from slabpool import Engine
+from slabpool.workers.errors import PoisonTask, SessionInitError, TaskTimeout, WorkerCrashed
+from slabpool.workers.protocol import FaultSpec
 from tests.reference import ort_run
-from workers.protocol import FaultSpec
 
 X = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
 
@@ -245,7 +245,7 @@ def test_chaos_with_outputs_written_in_place(models):
 SUPERVISOR = textwrap.dedent(
     """
     import sys, time
-    from engine import Engine
+    from slabpool import Engine
     if __name__ == "__main__":
         eng = Engine(sys.argv[1], workers=2, shm_backend=sys.argv[2])
         eng.infer(__import__("numpy").zeros((1, 16), "float32"))

@@ -9,8 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from engine import Engine, Result
-from engine.errors import EngineClosed, InputContractError, SessionInitError
+from slabpool import Engine, Result
+from slabpool.workers.errors import EngineClosed, InputContractError, SessionInitError
 from tests import hooks
 from tests.reference import litert_run, ort_run
 
@@ -199,7 +199,7 @@ def test_importing_engine_loads_no_runtime():
     import subprocess
     import sys
 
-    code = "import sys, engine; from engine import Engine; print('onnxruntime' in sys.modules, 'ai_edge_litert' in sys.modules)"
+    code = "import sys, slabpool; from slabpool import Engine; print('onnxruntime' in sys.modules, 'ai_edge_litert' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

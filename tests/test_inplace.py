@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engine import Engine
-from workers.protocol import FaultSpec
+from slabpool import Engine
+from slabpool.workers.protocol import FaultSpec
 
 
 def _plain(model, feeds):  # type: ignore[no-untyped-def]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import InputContractError, PoisonTask, SessionRunError
-from engine.frontend import MAX_CHUNK, _Pace
+from slabpool import Engine
+from slabpool.engine.frontend import MAX_CHUNK, _Pace
+from slabpool.workers.errors import InputContractError, PoisonTask, SessionRunError
 from tests.models import onnx_models
 from tests.reference import ort_run
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import SessionRunError, TaskCancelled
-from engine.metrics import register
+from slabpool import Engine
+from slabpool.engine.metrics import register
+from slabpool.workers.errors import SessionRunError, TaskCancelled
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -201,7 +201,7 @@ def test_user_hook_log_reaches_the_caller_with_ids_and_no_data(models: Any, logs
         assert r.levelno == logging.WARNING
         assert (r.slot, r.pid, r.tenant, r.request_id) == (0, res.pid, "t-1", "r-42")  # type: ignore[attr-defined]
         assert not hasattr(r, "secret"), "only tenant and request_id leave the context"
-    failed = [r for r in logs.records if r.name == "workers" and "failed" in r.getMessage()]
+    failed = [r for r in logs.records if r.name == "slabpool.workers" and "failed" in r.getMessage()]
     assert len(failed) == 1
     assert (failed[0].task_id, failed[0].slot, failed[0].pid) == (1, 0, res.pid)  # type: ignore[attr-defined]
     for r in logs.records:
@@ -219,6 +219,6 @@ def test_worker_failure_record_carries_attempt_stage_and_error(models: Any, logs
     with Engine(models.mlp, workers=1, preprocess="tests.async_hooks:log_and_feed") as eng:
         with pytest.raises(SessionRunError):
             eng.infer({"x": rows(1), "fail": True}, context={"tenant": "t-1"})
-    (r,) = [r for r in logs.records if r.name == "workers"]
+    (r,) = [r for r in logs.records if r.name == "slabpool.workers"]
     assert r.task_id == 0  # type: ignore[attr-defined]
     assert (r.attempt, r.stage, r.error, r.tenant) == (1, "preprocess", "RuntimeError", "t-1")  # type: ignore[attr-defined]

@@ -35,9 +35,9 @@ import numpy as np
 import psutil
 import pytest
 
-from engine import Engine
-from engine import errors as E
-from engine.states import EngineState
+from slabpool import Engine
+from slabpool.engine.states import EngineState
+from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
 from tests.models import onnx_models
 
@@ -373,7 +373,7 @@ def test_ray_data_adapter(ray_only: SimpleNamespace | None, models: SimpleNamesp
         return
     import ray.data
 
-    from engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray_data import SlabpoolPredictor
 
     x = rows(7, n=48)
     ds = ray.data.from_items([{"id": i, "x": x[i]} for i in range(48)])
@@ -392,7 +392,7 @@ def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None
     """The adapter needs no Ray to be called: session, contract check and hooks, per batch."""
     if INNER:
         pytest.skip("runs in the outer pytest process")
-    from engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray_data import SlabpoolPredictor
 
     x = rows(3, n=5)
     batch = {"id": np.arange(5), "x": x}

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from engine import Engine
-from engine.errors import SessionInitError
-from engine.reload import SignatureChanged
+from slabpool import Engine
+from slabpool.engine.reload import SignatureChanged
+from slabpool.workers.errors import SessionInitError
 from tests.models import onnx_models
 from tests.reference import ort_run
 

@@ -15,8 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from shm import Arena, CapacityError, InstanceLock, LeaseError, Mapping, sweep_dead_instances
-from shm.alloc import ALIGN, RangeAllocator
+from slabpool.shm import Arena, CapacityError, InstanceLock, LeaseError, Mapping, sweep_dead_instances
+from slabpool.shm.alloc import ALIGN, RangeAllocator
 
 
 def test_allocator_never_overlaps_and_coalesces_back_to_one_range():
@@ -93,7 +93,7 @@ def test_a_worker_mapping_reads_what_the_supervisor_wrote_and_cannot_resize_it()
 DEAD_OWNER = textwrap.dedent(
     """
     import os, sys, time
-    from shm import InstanceLock
+    from slabpool.shm import InstanceLock
     lock = InstanceLock(sys.argv[1])
     fd = os.open("/dev/shm/slabpool-" + sys.argv[1] + "-in-leftover", os.O_CREAT | os.O_RDWR, 0o600)
     print("ready", flush=True)
@@ -144,7 +144,7 @@ def _vm_flags(addr: int) -> list[str]:
 
 @pytest.mark.parametrize("nbytes", [64, 4 << 20, 9 << 20])
 def test_private_copies_are_owned_and_large_ones_ask_for_ordinary_pages(nbytes):
-    from shm.pages import HUGE, private_copy
+    from slabpool.shm.pages import HUGE, private_copy
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)[::1]
     view = src.view(np.float32).reshape(-1, 4) if nbytes % 16 == 0 else src

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from workers.wire import CHUNK, FrameReader
+from slabpool.workers.wire import CHUNK, FrameReader
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import InputContractError
-from workers.protocol import TensorSpec
+from slabpool.workers.errors import InputContractError
+from slabpool.workers.protocol import TensorSpec
 
 
 def normalize(inputs: Any, specs: Sequence[TensorSpec]) -> dict[str, Any]:

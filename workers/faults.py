@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from workers.protocol import FaultSpec
+from slabpool.workers.protocol import FaultSpec
 
 STAGES = ("init", "preprocess", "run", "postprocess", "write_outputs")
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from shm.mapping import Mapping
-from workers import packing
-from workers.protocol import ArrayRef, Packed, TaskSpec, flat_skeleton
+from slabpool.shm.mapping import Mapping
+from slabpool.workers import packing
+from slabpool.workers.protocol import ArrayRef, Packed, TaskSpec, flat_skeleton
 
 Signature = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) per array
 MAX_SIGNATURES = 256

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from workers.protocol import SessionInfo, TensorSpec
-from workers.session import AcceleratorUnavailable, SessionSpec, model_digest
+from slabpool.workers.protocol import SessionInfo, TensorSpec
+from slabpool.workers.session import AcceleratorUnavailable, SessionSpec, model_digest
 
 
 def import_interpreter() -> tuple[ModuleType, str, str]:

@@ -31,12 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from engine import context
-from engine.errors import InputContractError
-from shm.mapping import Mapping
-from workers import contract, faults, packing
-from workers.inplace import OutputPlanner, Placed
-from workers.protocol import (
+from slabpool.shm.mapping import Mapping
+from slabpool.workers import context, contract, faults, packing
+from slabpool.workers.errors import InputContractError
+from slabpool.workers.inplace import OutputPlanner, Placed
+from slabpool.workers.protocol import (
     BatchDone,
     Chunk,
     FaultSpec,
@@ -51,11 +50,11 @@ from workers.protocol import (
     TaskSpec,
     decode,
 )
-from workers.session import ModelSession, RunTimeout, SessionSpec, load_session
-from workers.wire import FrameReader
-from workers.worklog import Outbox, install_pipe_logging, task_fields
+from slabpool.workers.session import ModelSession, RunTimeout, SessionSpec, load_session
+from slabpool.workers.wire import FrameReader
+from slabpool.workers.worklog import Outbox, install_pipe_logging, task_fields
 
-log = logging.getLogger("workers")
+log = logging.getLogger("slabpool.workers")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from workers.protocol import SessionInfo, TensorSpec
-from workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec, model_digest
+from slabpool.workers.protocol import SessionInfo, TensorSpec
+from slabpool.workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec, model_digest
 
 _CPU = "CPUExecutionProvider"
 _DTYPES = {

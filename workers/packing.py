@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from shm.alloc import align_up
-from shm.pages import private_copy
-from workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, flat_skeleton
+from slabpool.shm.alloc import align_up
+from slabpool.shm.pages import private_copy
+from slabpool.workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, flat_skeleton
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from workers.protocol import SessionInfo
+from slabpool.workers.protocol import SessionInfo
 
 Backend = Literal["onnxruntime", "litert"]
 
@@ -81,11 +81,11 @@ def model_digest(path: str) -> str:
 
 def load_session(spec: SessionSpec) -> ModelSession:
     if spec.backend == "onnxruntime":
-        from workers.ort import OrtSession
+        from slabpool.workers.ort import OrtSession
 
         return OrtSession(spec)
     if spec.backend == "litert":
-        from workers.litert import LiteRtSession
+        from slabpool.workers.litert import LiteRtSession
 
         return LiteRtSession(spec)
     raise ValueError(f"unknown backend {spec.backend!r}: expected 'onnxruntime' or 'litert'")

@@ -16,8 +16,8 @@ from multiprocessing.connection import Connection
 from types import MappingProxyType
 from typing import Any
 
-from engine import context
-from workers.protocol import LogRecord, encode
+from slabpool.workers import context
+from slabpool.workers.protocol import LogRecord, encode
 
 _FIELDS = ("task_id", "attempt", "stage", "error")
 _CONTEXT_FIELDS = ("tenant", "request_id")

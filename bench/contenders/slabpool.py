@@ -24,7 +24,7 @@ class Slabpool:
         self._window = 1
 
     def setup(self, model: str, workers: int) -> None:
-        from engine import Engine
+        from slabpool import Engine
 
         self._window = self._per_worker * workers
         kw: dict[str, Any] = {}

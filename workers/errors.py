@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # workers import this module: no import of theirs at run time
-    from workers.protocol import RemoteError
+    from slabpool.workers.protocol import RemoteError
 
 
 class EngineError(Exception):

@@ -1,0 +1,132 @@
+"""The package as users install and import it: one `slabpool` namespace, layers that point one
+way, a wheel whose only top-level name is `slabpool`, and imports that a user's own `engine.py`,
+`workers/` or `shm.py` next to their script cannot shadow."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import slabpool
+
+REPO = Path(__file__).resolve().parent.parent
+
+# What each layer may import from the package (besides itself).
+ALLOWED = {"shm": set(), "workers": {"shm"}, "engine": {"workers", "shm", "slabpool"}}
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every `slabpool.X...` module a file imports (run time and TYPE_CHECKING alike)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name == "slabpool" or name.startswith("slabpool.")}
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_layers_point_one_way(layer: str) -> None:
+    wrong = []
+    for path in sorted((REPO / layer).rglob("*.py")):
+        for module in _imports_of(path):
+            parts = module.split(".")
+            target = parts[1] if len(parts) > 1 else "slabpool"
+            if target != layer and target not in ALLOWED[layer]:
+                wrong.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_subpackages_are_the_root_folders() -> None:
+    for layer in ALLOWED:
+        module = __import__(f"slabpool.{layer}", fromlist=["_"])
+        assert Path(module.__file__).resolve().parent == REPO / layer
+
+
+def test_public_names_resolve_lazily() -> None:
+    code = (
+        "import sys, slabpool\n"
+        "assert 'onnxruntime' not in sys.modules and 'slabpool.engine.api' not in sys.modules\n"
+        "for name in slabpool.__all__: getattr(slabpool, name)\n"
+        "assert issubclass(slabpool.PoisonTask, slabpool.TaskError)\n"
+        "assert 'onnxruntime' not in sys.modules\n"
+        "print(slabpool.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == slabpool.__version__ != "0+unknown"
+
+
+@pytest.mark.parametrize("argv", [["-m", "slabpool", "--version"], ["-m", "slabpool.engine.cli", "--version"]])
+def test_version_on_the_command_line(argv: list[str]) -> None:
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"slabpool {slabpool.__version__}"
+
+
+def _shadowing_folder(tmp_path: Path) -> Path:
+    """A user's folder with modules named like the layers (and a broken one of each)."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "engine.py").write_text("raise ImportError('the user engine.py was imported')\n")
+    (tmp_path / "shm.py").write_text("raise ImportError('the user shm.py was imported')\n")
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "__init__.py").write_text("raise ImportError('the user workers/')\n")
+    return tmp_path
+
+
+def _score_script(folder: Path, models) -> Path:
+    script = folder / "score.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from slabpool import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    with Engine({str(models.mlp)!r}, workers=1) as eng:\n"
+        "        y = eng.infer({'x': np.ones((2, 16), np.float32)})\n"
+        "    import slabpool; print(sorted(y), slabpool.__file__)\n"
+    )
+    return script
+
+
+def test_a_users_engine_workers_and_shm_do_not_shadow_ours(tmp_path: Path, models) -> None:
+    folder = _shadowing_folder(tmp_path)
+    script = _score_script(folder, models)
+    out = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("['logits', 'probs']")
+
+
+@pytest.mark.slow
+def test_the_wheel_has_one_top_level_name_and_runs(tmp_path: Path, models) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = tmp_path.glob("slabpool-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+        top_level = [n for n in names if n.endswith("top_level.txt")]
+        assert tops == {"slabpool"}
+        if top_level:
+            assert zf.read(top_level[0]).decode().split() == ["slabpool"]
+        assert "slabpool/py.typed" in names
+        assert "slabpool/engine/data/demo.onnx" in names
+        assert {"slabpool/engine/api.py", "slabpool/workers/main.py", "slabpool/shm/arena.py"} <= set(names)
+        assert not [n for n in names if n.startswith("slabpool/") and ("/tests/" in n or "/bench/" in n)]
+
+    # Installed from the wheel (not the editable tree), run from a folder that shadows the layers.
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    folder = _shadowing_folder(tmp_path / "user")
+    script = _score_script(folder, models)
+    out = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(site)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(site / "slabpool" / "__init__.py")
