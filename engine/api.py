@@ -15,8 +15,7 @@ from typing import Any
 import psutil
 
 from slabpool.engine.admission import TaskQueue, superseded_error
-from slabpool.engine.config import EngineConfig, resolve
-from slabpool.engine.frontend import Frontend, TaskFuture
+from slabpool.engine.frontend import BaseEngine, TaskFuture
 from slabpool.engine.metrics import Metrics, render
 from slabpool.engine.reload import Reload
 from slabpool.engine.states import EngineState, TaskState
@@ -38,7 +37,7 @@ from slabpool.workers.protocol import Chunk, FaultSpec, SessionInfo
 from slabpool.workers.session import SessionSpec, detect_backend
 
 
-class Engine(Frontend):
+class Engine(BaseEngine):
     """A pool of worker processes, one model session each, fed through shared memory.
 
         with Engine("model.onnx", workers=4) as eng:
@@ -49,19 +48,7 @@ class Engine(Frontend):
 
     chunked_map = True
 
-    def __new__(cls, model: str | os.PathLike[str] | None = None, **settings: Any) -> Any:
-        if settings.get("cluster", "local") == "ray" and cls is Engine:
-            from slabpool.engine.ray_backend import RayEngine  # same API, slots are Ray actors
-
-            return RayEngine(model, **settings)
-        return super().__new__(cls)
-
-    def __init__(self, model: str | os.PathLike[str] | None = None, **settings: Any) -> None:
-        if settings.pop("cluster", "local") != "local":
-            raise ValueError("cluster must be 'local' or 'ray'")
-        fault_injection = settings.pop("_fault_injection", False)
-        self._init_fault: FaultSpec | None = settings.pop("_init_fault", None)  # tests only
-        self.config: EngineConfig = resolve(model, fault_injection=fault_injection, **settings)
+    def _start(self) -> None:
         cfg = self.config
         self._state = EngineState.ACCEPTING
         self._close_lock = threading.Lock()

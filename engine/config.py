@@ -114,6 +114,7 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     cap = kw.get("shm_capacity") or max(256 * MiB, 32 * MiB * workers)
     kw["shm_capacity"] = cap
     kw["initargs"] = tuple(kw.get("initargs", ()))
+    kw["delegate_options"] = dict(kw.get("delegate_options") or {})
     return EngineConfig(model=path, workers=workers, **kw)
 
 

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import numpy as np
 
 from slabpool.engine.admission import TaskQueue
 from slabpool.engine.aio import AsyncEngineMixin
-from slabpool.engine.config import EngineConfig
+from slabpool.engine.config import Admission, EngineConfig, MiB, resolve
 from slabpool.engine.states import EngineState
 from slabpool.engine.stats import ModelDescription
 from slabpool.engine.task import Result, Task
@@ -26,12 +27,18 @@ from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec
 
+Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
+
 
 class Control(Protocol):
     def command(self, kind: str, arg: Any = None, *, wait_reply: bool = True) -> Any: ...
 
 
-class Frontend(AsyncEngineMixin):
+class BaseEngine(AsyncEngineMixin):
+    """The caller's API, shared by every backend: `Engine` (local worker processes) and
+    `RayEngine` (Ray actors). The constructor is here, once: every setting is a typed
+    keyword-only parameter with its default, validated by `engine.config.resolve`."""
+
     chunked_map = False  # map() may send several items as one task (a local Engine)
     config: EngineConfig
     _queue: TaskQueue
@@ -40,7 +47,58 @@ class Frontend(AsyncEngineMixin):
     _batchable: bool
     _control: Control
 
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        workers: int | None = None,
+        start_method: Literal["forkserver", "spawn"] = "forkserver",
+        backend: Literal["auto", "onnxruntime", "litert"] = "auto",
+        providers: Sequence[Any] | None = None,
+        delegate: str | None = None,
+        delegate_options: Mapping[str, str] | None = None,
+        allow_fallback: bool = False,
+        threads_per_worker: int = 1,
+        preprocess: Hook = None,
+        postprocess: Hook = None,
+        initializer: Hook = None,
+        initargs: Sequence[Any] = (),
+        queue_capacity: int = 0,
+        admission: Admission = "block",
+        max_attempts: int = 3,
+        task_timeout: float | None = None,
+        max_tasks_per_worker: int | None = None,
+        worker_memory_limit: int | None = None,
+        seed: int = 0,
+        max_batch_size: int = 1,
+        max_batch_wait_ms: float = 2.0,
+        inflight_per_slot: int = 2,
+        in_place_min_bytes: int | None = MiB,
+        shm_capacity: int = 0,
+        queue_bytes: int = 64 * MiB,
+        shm_backend: Literal["memfd", "posix"] = "memfd",
+        startup_timeout: float = 120.0,
+        _fault_injection: bool = False,  # tests: tasks may carry a FaultSpec
+        _init_fault: FaultSpec | None = None,  # tests: a fault in every worker's initializer
+    ) -> None:
+        """Start the pool: every worker has built its session when this returns.
+
+        model: an .onnx or .tflite file (None: preprocess is the whole task). workers: worker
+        processes (None: the usable CPUs). Hooks (preprocess, postprocess, initializer) are
+        module-level functions or 'module:function' strings; workers import them by name.
+        Each setting is described in README.md ("Settings"); a bad one raises ValueError or
+        TypeError naming it."""
+        settings = {k: v for k, v in locals().items() if k not in ("self", "model", "_init_fault", "__class__")}
+        settings["fault_injection"] = settings.pop("_fault_injection")
+        self._init_fault = _init_fault
+        self.config = resolve(model, **settings)
+        self._start()
+
     # -- what a backend provides ----------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Build the slots from self.config; return once every one is ready (or raise)."""
+        raise NotImplementedError
 
     def submit(
         self,
@@ -224,7 +282,7 @@ class Frontend(AsyncEngineMixin):
             return False
         return bool(self._control.command("cancel", (task, kill)))
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -286,7 +344,7 @@ class TaskFuture(Future[Result]):
 
     slabpool_task: Task
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: BaseEngine) -> None:
         super().__init__()
         self._frontend = frontend
 

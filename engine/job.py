@@ -27,7 +27,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class JobSpec:
     postprocess: str | None = None
     resume: bool = False
     overwrite: bool = False
-    start_method: str = "forkserver"
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
     max_attempts: int = 3
     task_timeout: float | None = None
     durable_every: float = 1.0  # seconds between commits (at most)

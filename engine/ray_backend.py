@@ -44,8 +44,8 @@ import ray
 from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError
 
 from slabpool.engine.admission import TaskQueue, superseded_error
-from slabpool.engine.config import EngineConfig, resolve
-from slabpool.engine.frontend import Frontend, TaskFuture
+from slabpool.engine.config import EngineConfig
+from slabpool.engine.frontend import BaseEngine, TaskFuture
 from slabpool.engine.states import EngineState, SlotState, TaskState
 from slabpool.engine.stats import EngineStats, SlotStats
 from slabpool.engine.task import Batch, Result, Task, Timings
@@ -205,8 +205,8 @@ class _RaySlot:
         return self.state in (SlotState.READY, SlotState.BUSY)
 
 
-class RayEngine(Frontend):
-    """`Engine(model, cluster="ray", workers=N, ...)`: the same API, slots are Ray actors.
+class RayEngine(BaseEngine):
+    """`RayEngine(model, workers=N, ...)`: the same API and settings as Engine, slots are Ray actors.
 
     Ray-only settings: `address` (None: start a local Ray, or join the one this process already
     initialised), `ray_init_kwargs`, `cpus_per_slot` (default 0.5: whole CPUs per actor can
@@ -218,25 +218,27 @@ class RayEngine(Frontend):
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        cluster: str = "ray",
         address: str | None = None,
         ray_init_kwargs: Mapping[str, Any] | None = None,
         cpus_per_slot: float = 0.5,
         actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None = None,
         **settings: Any,
     ) -> None:
-        if cluster != "ray":
-            raise ValueError(f"RayEngine needs cluster='ray', got {cluster!r}")
+        """The Ray-only settings here; every other one is Engine's (`BaseEngine.__init__`)."""
         if not cpus_per_slot > 0:
             raise ValueError(f"cpus_per_slot must be > 0, got {cpus_per_slot!r}")
-        fault_injection = settings.pop("_fault_injection", False)
-        self.config: EngineConfig = resolve(model, fault_injection=fault_injection, **settings)
-        _check_supported(self.config, settings)
+        self._ray_options = (address, dict(ray_init_kwargs or {}), cpus_per_slot, actor_options)
+        self._given = frozenset(settings)
+        super().__init__(model, **settings)
+
+    def _start(self) -> None:
+        address, ray_init_kwargs, cpus_per_slot, actor_options = self._ray_options
+        _check_supported(self.config, self._given)
         self._state = EngineState.ACCEPTING
         self._close_lock = threading.Lock()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            init: dict[str, Any] = {"include_dashboard": False, **dict(ray_init_kwargs or {})}
+            init: dict[str, Any] = {"include_dashboard": False, **ray_init_kwargs}
             if address is not None:
                 init["address"] = address
             ray.init(**init)
@@ -351,7 +353,7 @@ class RayEngine(Frontend):
                 f"queued={len(self._queue)}>")
 
 
-def _check_supported(cfg: EngineConfig, given: Mapping[str, Any]) -> None:
+def _check_supported(cfg: EngineConfig, given: frozenset[str]) -> None:
     for name, default in _UNSUPPORTED.items():
         if getattr(cfg, name) != default:
             raise ValueError(f"{name}={getattr(cfg, name)!r} is not supported by the Ray backend (yet)")

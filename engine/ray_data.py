@@ -15,7 +15,7 @@ named like the model's inputs), the input contract is checked, `session.run`, th
 `postprocess(outputs, batch)` -> the output columns (default: the other columns of the batch,
 then the model's outputs). Fault tolerance is Ray Data's own (block-level retries, at-least-once
 execution): this adapter has no ledger, no PoisonTask, no exactly-once replay; use
-`Engine(..., cluster="ray")` for those.
+`RayEngine(...)` for those.
 """
 
 from __future__ import annotations

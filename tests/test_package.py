@@ -130,3 +130,44 @@ def test_the_wheel_has_one_top_level_name_and_runs(tmp_path: Path, models) -> No
                          timeout=120, env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == str(site / "slabpool" / "__init__.py")
+
+
+def test_settings_are_typed_keyword_only_parameters(models) -> None:
+    import inspect
+
+    from slabpool import Engine, RayEngine
+
+    params = inspect.signature(Engine).parameters
+    assert params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    public = [p for name, p in params.items() if name != "model" and not name.startswith("_")]
+    assert len(public) > 20 and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in public)
+    assert params["workers"].default is None and params["max_attempts"].default == 3
+    with pytest.raises(TypeError, match="'worker'"):
+        Engine(models.mlp, worker=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'worker'"):
+        RayEngine(models.mlp, worker=2)
+    assert not issubclass(Engine, RayEngine) and not issubclass(RayEngine, Engine)
+
+
+@pytest.mark.slow
+def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
+    from mypy import api
+
+    snippet = tmp_path / "caller.py"
+    snippet.write_text(
+        "import numpy as np\n"
+        "from slabpool import Engine, RayEngine\n"
+        "with Engine('m.onnx', workers=2) as eng:\n"
+        "    reveal_type(eng)\n"
+        "    reveal_type(eng.submit({'x': np.zeros(3)}))\n"
+        "    reveal_type(eng.stats().completed)\n"
+        "with RayEngine('m.onnx', workers=2) as ray_eng:\n"
+        "    reveal_type(ray_eng)\n"
+        "Engine('m.onnx', worker=2)\n"
+    )
+    out, _, _ = api.run([str(snippet), "--no-incremental", "--follow-imports=silent"])
+    assert 'Revealed type is "slabpool.engine.api.Engine"' in out
+    assert "concurrent.futures._base.Future[slabpool.engine.task.Result]" in out
+    assert 'Revealed type is "int"' in out or 'Revealed type is "builtins.int"' in out
+    assert 'Revealed type is "slabpool.engine.ray_backend.RayEngine"' in out
+    assert 'Unexpected keyword argument "worker"' in out

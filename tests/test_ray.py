@@ -1,4 +1,4 @@
-"""One contract suite, two backends: `Engine(model, workers=2)` and `Engine(..., cluster="ray")`.
+"""One contract suite, two backends: `Engine(model, workers=2)` and `RayEngine(model, workers=2)`.
 
 The local cases run here. The Ray cases need a Ray cluster confined to loopback, so this same
 file is re-run once, in a subprocess, inside a private network namespace with only `lo` up:
@@ -35,7 +35,7 @@ import numpy as np
 import psutil
 import pytest
 
-from slabpool import Engine
+from slabpool import Engine, RayEngine
 from slabpool.engine.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
@@ -216,7 +216,7 @@ def ray_only(request: pytest.FixtureRequest) -> SimpleNamespace | None:
 
 def build(backend: str, model: Path, **kw: Any) -> Any:
     if backend == "ray":
-        return Engine(model, workers=2, cluster="ray", **kw)
+        return RayEngine(model, workers=2, **kw)
     return Engine(model, workers=2, **kw)
 
 

@@ -18,7 +18,7 @@ class Slabpool:
         if use_map:
             self.name, self.note = "slabpool map", "Engine.map(items): chunks sized from the measured run time"
         if cluster == "ray":
-            self.name, self.note = "slabpool-ray", "Engine(cluster='ray'): slots are Ray actors, our ledger replays"
+            self.name, self.note = "slabpool-ray", "RayEngine: slots are Ray actors, our ledger replays"
         self._per_worker, self._batch, self._cluster = window_per_worker, batch, cluster
         self.engine: Any = None
         self._window = 1
@@ -35,8 +35,9 @@ class Slabpool:
                 import ray  # noqa: F401
             except ImportError as exc:
                 raise Skipped(f"ray is not importable ({exc}); pip install 'slabpool[ray]'") from exc
-            kw.update(cluster="ray", address="local")  # a private instance, never another's cluster
-            self.engine = Engine(model, workers=workers, **kw)
+            from slabpool import RayEngine
+
+            self.engine = RayEngine(model, workers=workers, address="local", **kw)  # a private Ray instance
             return
         self.engine = Engine(model, workers=workers, start_method="forkserver", **kw)
 
