@@ -188,10 +188,7 @@ class Engine(BaseEngine):
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; drain (or cancel what is queued); stop every worker; free shared memory.
         Idempotent, callable from any thread and from a Future's done-callback."""
-        with self._close_lock:
-            if self._state is EngineState.ACCEPTING:
-                self._state = EngineState.DRAINING
-                self._queue.close(E.EngineClosed("the engine is closed: submit() after close()"))
+        self._stop_accepting()
         if self._sup.on_thread:  # from a done-callback: the loop finishes the job
             self._sup.command("close", cancel_pending, wait_reply=False)
             return

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -131,11 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    warnings.formatwarning = lambda message, *_, **__: f"slabpool: warning: {message}\n"
+    if os.getcwd() not in sys.path:  # hook modules resolve from the current folder, as `python -m` does
+        sys.path.insert(0, os.getcwd())
     if args.command is None:
         parser.print_help()
         return 0
     try:
         return int(args.func(args, argv))
+    except BrokenPipeError:  # `slabpool inspect m.onnx | head -1`: the reader left; say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
     except (JobError, EngineError, OSError, ValueError, TypeError, ImportError) as exc:
         if args.verbose:
             traceback.print_exc()
@@ -297,7 +304,10 @@ def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
     avail = meminfo.get("MemAvailable", "").split()
     print(f"MemAvailable    {_mib(int(avail[0]) * 1024) if avail else 'unknown'}")
     mem_max = _read("/sys/fs/cgroup/memory.max")
-    print(f"cgroup memory   {mem_max if mem_max in (None, 'max') else _mib(int(mem_max))} (memory.max)")
+    if mem_max is None:
+        print("cgroup memory   n/a (no cgroup v2 memory controller here)")
+    else:
+        print(f"cgroup memory   {'no limit' if mem_max == 'max' else _mib(int(mem_max))} (memory.max)")
     affinity = len(os.sched_getaffinity(0))
     print(f"CPUs            {affinity} in affinity, cgroup cpu.max {_read('/sys/fs/cgroup/cpu.max') or 'n/a'}; "
           f"usable: {usable_cpus()} (the default --workers)")

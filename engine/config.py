@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,6 +86,12 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     workers = kw.pop("workers", None)
     workers = usable_cpus() if workers is None else workers
     _positive("workers", workers)
+    if workers > usable_cpus():
+        warnings.warn(
+            f"workers={workers} but this process may use {usable_cpus()} CPUs (affinity and cgroup "
+            "quota): the extra workers share cores, which adds memory and rarely throughput",
+            stacklevel=3,
+        )
     sm = kw.get("start_method", "forkserver")
     if sm == "fork":
         raise ValueError(
@@ -133,7 +140,20 @@ def _importable(name: str, fn: Any) -> Callable[..., Any] | None:
         mod, _, attr = fn.partition(":")
         if not attr:
             raise ValueError(f"{name} must look like 'module:function', got {fn!r}")
-        fn = getattr(importlib.import_module(mod), attr)
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod.split(".")[0]:
+                raise
+            raise ModuleNotFoundError(
+                f"{name}={fn!r}: no module named {exc.name!r} in the current folder ({os.getcwd()}) "
+                "or on sys.path; run from the folder that holds it, or add that folder to PYTHONPATH",
+                name=exc.name,
+            ) from None
+        try:
+            fn = getattr(module, attr)
+        except AttributeError:
+            raise ImportError(f"{name}={fn!r}: cannot import name {attr!r} from {mod!r}") from None
     if not callable(fn):
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -46,6 +47,7 @@ class BaseEngine(AsyncEngineMixin):
     _specs: tuple[TensorSpec, ...]
     _batchable: bool
     _control: Control
+    _close_lock: threading.Lock
 
     def __init__(
         self,
@@ -113,6 +115,13 @@ class BaseEngine(AsyncEngineMixin):
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         raise NotImplementedError
+
+    def _stop_accepting(self) -> None:
+        """ACCEPTING -> DRAINING, once: later submits raise EngineClosed."""
+        with self._close_lock:
+            if self._state is EngineState.ACCEPTING:
+                self._state = EngineState.DRAINING
+                self._queue.close(E.EngineClosed("the engine is closed: submit() after close()"))
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         raise NotImplementedError
@@ -281,6 +290,18 @@ class BaseEngine(AsyncEngineMixin):
         if task is None or future.done():
             return False
         return bool(self._control.command("cancel", (task, kill)))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """As `concurrent.futures.Executor.shutdown`: stop accepting now; `cancel_futures`
+        cancels what is still queued (running tasks finish); `wait` returns once every worker
+        has stopped and the shared memory is freed, else at once while the engine finishes in
+        the background (a later close() joins it)."""
+        self._stop_accepting()
+        if wait:
+            self.close(cancel_pending=cancel_futures)
+            return
+        threading.Thread(target=self.close, kwargs={"cancel_pending": cancel_futures},
+                         name="slabpool-shutdown", daemon=True).start()
 
     def __enter__(self) -> Self:
         return self

@@ -304,10 +304,7 @@ class RayEngine(BaseEngine):
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; drain (or cancel what is queued); kill the actors; shut Ray down if
         this engine started it. Idempotent."""
-        with self._close_lock:
-            if self._state is EngineState.ACCEPTING:
-                self._state = EngineState.DRAINING
-                self._queue.close(E.EngineClosed("the engine is closed: submit() after close()"))
+        self._stop_accepting()
         if self._ledger.on_thread:
             self._ledger.command("close", cancel_pending, wait_reply=False)
             return

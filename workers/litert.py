@@ -7,8 +7,14 @@ works with numpy < 2 (its import succeeds under numpy 2, then `Interpreter()` fa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -16,6 +22,8 @@ import numpy as np
 
 from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import AcceleratorUnavailable, SessionSpec, model_digest
+
+log = logging.getLogger("slabpool.workers")
 
 
 def import_interpreter() -> tuple[ModuleType, str, str]:
@@ -43,6 +51,27 @@ def import_interpreter() -> tuple[ModuleType, str, str]:
     return mod, "tflite-runtime", version("tflite-runtime")
 
 
+@contextlib.contextmanager
+def native_stderr_to_log() -> Iterator[None]:
+    """What LiteRT's native code prints on fd 2 while the interpreter is built ("INFO: Created
+    TensorFlow Lite XNNPACK delegate for CPU.") goes to the log instead: "INFO:" lines at INFO
+    (shown with --verbose), anything else at WARNING. The worker's faulthandler writes to its
+    own copy of fd 2 (workers.main), so a crash in here still prints its traceback."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines():
+                if line.strip():
+                    log.log(logging.INFO if line.startswith("INFO:") else logging.WARNING, "litert: %s", line)
+
+
 class LiteRtSession:
     def __init__(self, spec: SessionSpec) -> None:
         t0 = time.perf_counter()
@@ -54,8 +83,9 @@ class LiteRtSession:
             kwargs["experimental_op_resolver_type"] = mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
         if delegates:
             kwargs["experimental_delegates"] = delegates
-        self._interp = mod.Interpreter(**kwargs)
-        self._interp.allocate_tensors()  # applies XNNPACK now, in the initializer
+        with native_stderr_to_log():
+            self._interp = mod.Interpreter(**kwargs)
+            self._interp.allocate_tensors()  # applies XNNPACK now, in the initializer
         self._in = {d["name"]: d for d in self._interp.get_input_details()}
         self._out = [(d["name"], d["index"]) for d in self._interp.get_output_details()]
         self.info = SessionInfo(

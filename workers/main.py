@@ -84,7 +84,7 @@ IDLE, STACKED = -1, -2
 def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     """Process entry point (a module-level function: spawn and forkserver import it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.enable()
+    faulthandler.enable(os.fdopen(os.dup(2), "w"))  # its own fd 2: kept while fd 2 is redirected
     _watch_parent()
     inputs = Mapping(in_fd, boot.in_capacity, writable=False)
     outputs = Mapping(out_fd, boot.out_capacity, writable=True)
