@@ -246,28 +246,29 @@ def _number(value: float) -> str:
 
 
 class EngineCollector:
-    """A prometheus_client collector that reads one engine's accounting at each scrape. It
-    holds the engine weakly: a dropped engine exposes nothing (and is not kept alive)."""
+    """One engine's part of a registry's slabpool metrics: the engine (held weakly: a dropped
+    engine exposes nothing and is not kept alive) and the labels added to its samples.
+    `unregister()` takes it out of the registry again."""
 
-    def __init__(self, engine: Engine, labels: Mapping[str, str] | None = None) -> None:
+    def __init__(self, engine: Engine, labels: Mapping[str, str], shared: _RegistryCollector) -> None:
         self._engine = weakref.ref(engine)
-        self._labels = dict(labels or {})
+        self.labels = dict(labels)
+        self._shared = shared
 
-    def collect(self) -> Iterator[Any]:
+    def families(self) -> Iterator[Any]:
+        """This engine's families as prometheus_client metric families (none once it is gone)."""
         engine = self._engine()
-        if engine is None:
-            return
-        for fam in families(engine):
-            yield self._convert(fam)
+        if engine is not None:
+            for fam in families(engine):
+                yield self._convert(fam)
 
-    def describe(self) -> Iterator[Any]:
-        """The families, for the registry's name check (registering reads the engine once)."""
-        return self.collect()
+    def unregister(self) -> None:
+        self._shared.remove(self)
 
     def _convert(self, fam: Family) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        const_names, const_values = list(self._labels), list(self._labels.values())
+        const_names, const_values = list(self.labels), list(self.labels.values())
         if fam.histogram is not None:
             h = fam.histogram
             out: Any = HistogramMetricFamily(fam.name, fam.help, labels=const_names)
@@ -282,15 +283,68 @@ class EngineCollector:
         return out
 
 
+class _RegistryCollector:
+    """The one collector a registry holds for every slabpool engine registered in it: each
+    family is exposed once, with the samples of every engine (told apart by their labels).
+    One collector per engine would expose each family several times, which the exposition
+    format forbids and prometheus_client's name check refuses."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+        self._members: list[EngineCollector] = []
+        self._lock = threading.RLock()  # registering reads collect() on this thread
+
+    def add(self, engine: Engine, labels: Mapping[str, str]) -> EngineCollector:
+        with self._lock:
+            for m in self._members:
+                if m.labels == dict(labels):
+                    raise ValueError(
+                        f"Duplicated slabpool metrics: an engine with labels {dict(labels)} is already "
+                        "registered here; give each engine distinct labels, e.g. labels={'engine': 'name'}")
+                if set(m.labels) != set(labels):
+                    raise ValueError(f"every engine in one registry needs the same label names: "
+                                     f"{sorted(m.labels)} registered, got {sorted(labels)}")
+            member = EngineCollector(engine, labels, self)
+            self._members.append(member)
+            if len(self._members) == 1:
+                self._registry.register(self)
+            return member
+
+    def remove(self, member: EngineCollector) -> None:
+        with self._lock:
+            self._members.remove(member)
+            if not self._members:
+                self._registry.unregister(self)
+                _SHARED.pop(self._registry, None)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            members = list(self._members)
+        merged: dict[str, Any] = {}
+        for member in members:
+            for fam in member.families():
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        yield from merged.values()
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, _RegistryCollector] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
 def register(engine: Engine, registry: Any = None, *, labels: Mapping[str, str] | None = None) -> EngineCollector:
     """Expose `engine` through prometheus_client: the same families as `render`, read from the
-    engine's accounting at each scrape. `registry` defaults to prometheus_client's global one;
-    `labels` (e.g. {"engine": "resnet"}) are added to every sample, so that several engines can
-    share a registry. Undo with `registry.unregister(collector)`."""
+    engine's accounting at each scrape. `registry` defaults to prometheus_client's global one.
+    Several engines share a registry when each has its own `labels` (e.g. {"engine": "resnet"}),
+    added to every sample of that engine. Undo with `.unregister()` on what this returns."""
     if registry is None:
         from prometheus_client import REGISTRY
 
         registry = REGISTRY
-    collector = EngineCollector(engine, labels)
-    registry.register(collector)
-    return collector
+    with _SHARED_LOCK:
+        shared = _SHARED.get(registry)
+        if shared is None:
+            shared = _SHARED[registry] = _RegistryCollector(registry)
+    return shared.add(engine, labels or {})

@@ -139,9 +139,35 @@ def test_register_exposes_the_same_through_a_registry(models: Any) -> None:
                 continue  # read twice, a moment apart
             assert theirs == mine, name
         with pytest.raises(ValueError, match="Duplicated"):
-            register(eng, registry)  # the registry checks names: one engine per registry
-        registry.unregister(collector)
+            register(eng, registry, labels={"engine": "mlp"})  # the same labels twice: samples would collide
+        collector.unregister()
         assert registry.get_sample_value("slabpool_tasks_completed_total", {"engine": "mlp"}) is None
+
+
+def test_several_labelled_engines_share_one_registry(models: Any) -> None:
+    registry = prometheus_client.CollectorRegistry()
+    with Engine(models.mlp, workers=1) as a, Engine(models.tfl_mlp, workers=1) as b:
+        ca = register(a, registry, labels={"engine": "a"})
+        cb = register(b, registry, labels={"engine": "b"})
+        a.infer({"x": rows(1)})
+        for _ in range(2):
+            b.infer({"x": rows(1)})
+        got = registry.get_sample_value
+        assert got("slabpool_tasks_completed_total", {"engine": "a"}) == 1
+        assert got("slabpool_tasks_completed_total", {"engine": "b"}) == 2
+        assert got("slabpool_end_to_end_seconds_count", {"engine": "b"}) == 2
+        text = prometheus_client.generate_latest(registry).decode()
+        assert text.count("# TYPE slabpool_tasks_completed_total ") == 1  # each family once
+        fams = parsed(text)  # the whole exposition parses
+        samples = [s for s in fams["slabpool_tasks_completed"].samples if s.name.endswith("_total")]
+        assert sorted(s.labels["engine"] for s in samples) == ["a", "b"]
+        with pytest.raises(ValueError, match="same label names"):
+            register(a, registry, labels={"model": "x"})
+        ca.unregister()
+        assert got("slabpool_tasks_completed_total", {"engine": "a"}) is None
+        assert got("slabpool_tasks_completed_total", {"engine": "b"}) == 2
+        cb.unregister()
+        assert not list(registry.collect())
 
 
 def test_histograms_count_only_completed_tasks(models: Any, tmp_path: Path) -> None:
