@@ -171,3 +171,15 @@ def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
     assert 'Revealed type is "int"' in out or 'Revealed type is "builtins.int"' in out
     assert 'Revealed type is "slabpool.engine.ray_backend.RayEngine"' in out
     assert 'Unexpected keyword argument "worker"' in out
+
+
+def test_the_readme_example_runs_as_pasted(tmp_path: Path) -> None:
+    import shutil
+
+    readme = (REPO / "README.md").read_text()
+    (example,) = [block for block in readme.split("```python\n")[1:2]]
+    (tmp_path / "example.py").write_text(example.split("```")[0])
+    shutil.copy(REPO / "engine" / "data" / "demo.onnx", tmp_path / "model.onnx")
+    out = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "(8, 10) (8, 10) 10"
