@@ -16,7 +16,7 @@ import psutil
 
 from slabpool.engine.admission import TaskQueue, superseded_error
 from slabpool.engine.frontend import BaseEngine, TaskFuture
-from slabpool.engine.metrics import Metrics, render
+from slabpool.engine.metrics import Metrics
 from slabpool.engine.reload import Reload
 from slabpool.engine.states import EngineState, TaskState
 from slabpool.engine.stats import EngineStats, SlotStats
@@ -76,7 +76,6 @@ class Engine(BaseEngine):
             self._release_shm()
             raise
         self._sup.on_stopped = self._on_stopped
-        self._control = self._sup
         self._set_specs(self._sup.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
 
@@ -255,8 +254,8 @@ class Engine(BaseEngine):
     def _info(self) -> SessionInfo | None:
         return self._sup.info
 
-    def metrics_text(self) -> str:
-        return render(self)
+    def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
+        return bool(self._sup.command("cancel", (task, kill)))
 
     def __repr__(self) -> str:
         slots = self._sup.slots

@@ -1,8 +1,9 @@
 """The caller's side that every backend shares: the local `Engine` and `RayEngine` differ in
 where tasks run, not in how a caller talks to them.
 
-A backend provides `submit`, `close`, `_end_queued`, `_info()`, `stats()` and `_control` (the
-thread that owns its slots: `command(kind, arg)`); everything here is built on those.
+A backend provides `_start`, `submit`, `close`, `_end_queued`, `_info()`, `stats()` and
+`_cancel_in_hand` (a question for the thread that owns its slots); everything here is built on
+those.
 """
 
 from __future__ import annotations
@@ -14,25 +15,22 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
 from slabpool.engine.admission import TaskQueue
 from slabpool.engine.aio import AsyncEngineMixin
 from slabpool.engine.config import Admission, EngineConfig, MiB, resolve
+from slabpool.engine.metrics import Histogram, Metrics, render
 from slabpool.engine.states import EngineState
-from slabpool.engine.stats import ModelDescription
+from slabpool.engine.stats import EngineStats, ModelDescription
 from slabpool.engine.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
-
-
-class Control(Protocol):
-    def command(self, kind: str, arg: Any = None, *, wait_reply: bool = True) -> Any: ...
 
 
 class BaseEngine(AsyncEngineMixin):
@@ -46,8 +44,8 @@ class BaseEngine(AsyncEngineMixin):
     _state: EngineState
     _specs: tuple[TensorSpec, ...]
     _batchable: bool
-    _control: Control
     _close_lock: threading.Lock
+    _metrics: Metrics
 
     def __init__(
         self,
@@ -127,6 +125,14 @@ class BaseEngine(AsyncEngineMixin):
         raise NotImplementedError
 
     def _info(self) -> SessionInfo | None:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        """A snapshot: counters, every slot, shared memory in use."""
+        raise NotImplementedError
+
+    def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
+        """cancel() of a task the queue no longer holds: ask the owner thread."""
         raise NotImplementedError
 
     # -- step 1 and the task's identity ---------------------------------------------------------
@@ -289,7 +295,7 @@ class BaseEngine(AsyncEngineMixin):
         task: Task | None = getattr(future, "slabpool_task", None)
         if task is None or future.done():
             return False
-        return bool(self._control.command("cancel", (task, kill)))
+        return self._cancel_in_hand(task, kill)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As `concurrent.futures.Executor.shutdown`: stop accepting now; `cancel_futures`
@@ -312,6 +318,14 @@ class BaseEngine(AsyncEngineMixin):
     @property
     def state(self) -> EngineState:
         return self._state
+
+    def metrics_text(self) -> str:
+        """Counters, gauges and latency histograms in the Prometheus text format (0.0.4)."""
+        return render(self)
+
+    def histograms(self) -> dict[str, Histogram]:
+        """Seconds per delivered task (queue wait, run, end to end), as cumulative histograms."""
+        return self._metrics.snapshot()
 
     def describe(self) -> ModelDescription:
         info = self._info()

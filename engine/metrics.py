@@ -2,7 +2,7 @@
 
     eng.stats() (counters, gauges) --+
                                      +--> families(eng) --+--> render(eng)       text
-    eng._metrics (histograms) -------+                    +--> register(eng, r)  prometheus_client
+    eng.histograms() ----------------+                    +--> register(eng, r)  prometheus_client
 
 Counters and gauges are read from the engine's ledger (never sampled guesses); histograms are
 observed by the supervisor as each task completes with a result. Both outputs are built from
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from slabpool.engine.states import SlotState
 
 if TYPE_CHECKING:
-    from slabpool.engine.api import Engine
+    from slabpool.engine.frontend import BaseEngine as Engine
     from slabpool.engine.stats import EngineStats
     from slabpool.engine.task import Timings
 
@@ -168,7 +168,7 @@ def families(engine: Engine) -> list[Family]:
         _family("shm_capacity_bytes", "gauge", "Shared memory capacity, by arena.",
                 [((("arena", "inputs"),), st.shm_capacity), ((("arena", "outputs"),), st.shm_capacity)]),
     ]
-    for name, h in engine._metrics.snapshot().items():
+    for name, h in engine.histograms().items():
         out.append(Family(name, "histogram", _HISTOGRAM_HELP.get(name, "Seconds per task."), histogram=h))
     return out
 

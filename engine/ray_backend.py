@@ -34,8 +34,8 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,19 +46,18 @@ from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError
 from slabpool.engine.admission import TaskQueue, superseded_error
 from slabpool.engine.config import EngineConfig
 from slabpool.engine.frontend import BaseEngine, TaskFuture
+from slabpool.engine.ledger import TaskLedger
+from slabpool.engine.metrics import Metrics
+from slabpool.engine.owner import OwnerThread
 from slabpool.engine.states import EngineState, SlotState, TaskState
 from slabpool.engine.stats import EngineStats, SlotStats
 from slabpool.engine.task import Batch, Result, Task, Timings
 from slabpool.workers import context as task_context
-from slabpool.workers import contract, faults
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash
-from slabpool.workers.main import (  # the worker's own seeding: a replay draws the same numbers
-    _seed,
-    remote_error,
-)
+from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, seed_task
 from slabpool.workers.protocol import FaultSpec, Packed, RemoteError, SessionInfo
-from slabpool.workers.session import ModelSession, RunTimeout, SessionSpec, load_session
+from slabpool.workers.session import ModelSession, SessionSpec, load_session
 
 log = logging.getLogger("slabpool.engine.ray")
 
@@ -106,7 +105,6 @@ class SlotActor:
         initargs: tuple[Any, ...],
     ) -> None:
         self.slot = slot
-        self.preprocess, self.postprocess = preprocess, postprocess
         self.session: ModelSession | None = None
         self.error: RemoteError | None = None
         try:  # every failure goes back as data (a raising constructor would be retried for ever)
@@ -115,6 +113,7 @@ class SlotActor:
             self.session = load_session(spec) if spec is not None else None
         except Exception as exc:  # noqa: BLE001
             self.error = remote_error(exc, "run")
+        self.pipeline = TaskPipeline(self.session, preprocess, postprocess)
 
     def ready(self) -> ActorReady:
         return ActorReady(os.getpid(), ray.get_runtime_context().get_node_id(),
@@ -123,31 +122,13 @@ class SlotActor:
     def run(self, item: Any, task_id: int, attempt: int, seed: int,
             ctx: dict[str, Any] | None, fault: FaultSpec | None) -> ActorDone:
         t0 = time.perf_counter()
-        stage = "preprocess"
         with task_context.bind(ctx):
             try:
-                _seed(seed)  # before preprocess, as in the local worker
-                faults.inject(fault, "preprocess")
-                feeds = self.preprocess(item) if self.preprocess is not None else item
-                out = feeds
-                if self.session is not None:
-                    specs = self.session.info.inputs
-                    feeds = contract.check(contract.normalize(feeds, specs), specs)
-                    stage = "run"
-                    faults.inject(fault, "run")
-                    out = self.session.run(feeds)
-                if self.postprocess is not None:
-                    stage = "postprocess"
-                    faults.inject(fault, "postprocess")
-                    out = self.postprocess(out, item)
-                faults.inject(fault, "write_outputs")
-            except E.InputContractError as exc:
-                return self._failed(task_id, attempt, remote_error(exc, "contract"), t0)
-            except RunTimeout as exc:
-                return self._failed(task_id, attempt, remote_error(exc, "timeout"), t0)
+                seed_task(seed)  # before preprocess, as in the local worker
+                out = self.pipeline(item, fault=fault)
             except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-                log.info("task %d failed in %s: %s", task_id, stage, type(exc).__name__)
-                return self._failed(task_id, attempt, remote_error(exc, "run"), t0)
+                log.info("task %d failed in %s: %s", task_id, self.pipeline.stage, type(exc).__name__)
+                return self._failed(task_id, attempt, remote_error(exc, error_kind(exc)), t0)
         return ActorDone(task_id, attempt, out, None, time.perf_counter() - t0, os.getpid())
 
     @staticmethod
@@ -243,19 +224,19 @@ class RayEngine(BaseEngine):
                 init["address"] = address
             ray.init(**init)
         self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, self._wake)
+        self._metrics = Metrics()
         try:
-            self._ledger = _Ledger(self.config, self._queue, cpus_per_slot, actor_options)
+            self._ledger = _Ledger(self.config, self._queue, self._metrics, cpus_per_slot, actor_options)
             self._ledger.on_stopped = self._on_stopped
             self._ledger.start()
         except BaseException:
             self._shutdown_ray()
             raise
-        self._control = self._ledger
         self._set_specs(self._ledger.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger)
 
     def _wake(self) -> None:
-        self._ledger.post(("wake",))
+        self._ledger.wake()
 
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
@@ -305,14 +286,13 @@ class RayEngine(BaseEngine):
         """Stop accepting; drain (or cancel what is queued); kill the actors; shut Ray down if
         this engine started it. Idempotent."""
         self._stop_accepting()
-        if self._ledger.on_thread:
-            self._ledger.command("close", cancel_pending, wait_reply=False)
+        ledger = self._ledger
+        ledger.call(ledger.close, cancel_pending)
+        if ledger.on_thread:  # from a done-callback: the loop finishes the job
             return
-        self._ledger.command("close", cancel_pending)
-        if not self._ledger.join(timeout):
-            self._ledger.command("abort", f"close(timeout={timeout}) expired before the task ended",
-                                 wait_reply=False)
-            self._ledger.join(None)
+        if not ledger.join(timeout):
+            ledger.call(ledger.abort, f"close(timeout={timeout}) expired before the task ended")
+            ledger.join(None)
         self._shutdown_ray()
 
     def _on_stopped(self) -> None:
@@ -337,6 +317,12 @@ class RayEngine(BaseEngine):
 
     def _info(self) -> SessionInfo | None:
         return self._ledger.info
+
+    def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
+        try:
+            return self._ledger.call(self._ledger.cancel, task, kill).result()
+        except E.EngineClosed:
+            return False  # the engine has stopped: every task has already ended
 
     def placement(self) -> list[tuple[int, str, int]]:
         """(slot, Ray node id, actor pid) of each slot's current incarnation."""
@@ -375,7 +361,7 @@ def _slot_stats(s: _RaySlot) -> SlotStats:
 def _emergency_stop(ledger: _Ledger) -> None:
     """The engine was dropped without close(): kill the actors rather than leak them."""
     if not ledger.join(0):
-        ledger.command("abort", "the engine was garbage-collected without close()", wait_reply=False)
+        ledger.call(ledger.abort, "the engine was garbage-collected without close()")
         ledger.join(10)
 
 
@@ -395,22 +381,26 @@ def _owned(obj: Any) -> Any:
 # -- the ledger thread: steps 3-4, 8-9 and the crash path ------------------------------------
 
 
-class _Ledger:
-    """The only thread that changes slots and running tasks. Sleeps on one inbox."""
+class _Ledger(OwnerThread, TaskLedger):
+    """The owner thread of a RayEngine (engine.owner) with its task ledger (engine.ledger):
+    the only thread that changes slots and running tasks. It sleeps on one inbox that Ray's
+    completion callbacks and callers' calls feed."""
 
     def __init__(
         self,
         cfg: EngineConfig,
         q: TaskQueue,
+        metrics: Metrics,
         cpus_per_slot: float,
         actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None,
     ) -> None:
-        self.cfg, self.queue = cfg, q
+        OwnerThread.__init__(self, "slabpool-ray-ledger")
+        TaskLedger.__init__(self, q, metrics)
+        self.cfg = cfg
         self.info: SessionInfo | None = None
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._flights: dict[int, _Flight] = {}  # task id -> its one call in flight
-        self.closing: str | None = None
-        self.failure: BaseException | None = None
+        self._stopping = False  # the actors are being killed: a late ping changes nothing
         remote = ray.remote(SlotActor)
         self.slots: list[_RaySlot] = []
         for i in range(cfg.workers):
@@ -421,7 +411,6 @@ class _Ledger:
             actor = remote.options(**opts).remote(
                 i, cfg.session_spec(), cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs)
             self.slots.append(_RaySlot(i, actor))
-        self._thread = threading.Thread(target=self._run, name="slabpool-ray-ledger", daemon=True)
         self.on_stopped: Callable[[], None] = lambda: None
 
     # -- start ---------------------------------------------------------------------------------
@@ -447,7 +436,7 @@ class _Ledger:
         except BaseException:
             self._kill_all()
             raise
-        self._thread.start()
+        self.start_loop()
 
     def _on_ready(self, s: _RaySlot, msg: ActorReady) -> None:
         if msg.error is not None:
@@ -463,48 +452,13 @@ class _Ledger:
             self.info = self.info or msg.info
             s.info = msg.info
 
-    # -- the caller's side ---------------------------------------------------------------------
+    # -- the loop (engine.owner) ---------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._inbox.put(("wake",))
 
     def post(self, event: tuple[Any, ...]) -> None:
         self._inbox.put(event)
-
-    def command(self, kind: str, arg: Any = None, *, wait_reply: bool = True) -> Any:
-        reply: list[Any] = []
-        if self.on_thread:
-            reply.append(getattr(self, f"_cmd_{kind}")(arg))
-            return reply[0]
-        done = threading.Event() if wait_reply else None
-        self.post(("command", kind, arg, reply, done))
-        if done is not None:
-            while not done.wait(0.5):
-                if not self._thread.is_alive():
-                    break
-        return reply[0] if reply else None
-
-    def join(self, timeout: float | None) -> bool:
-        if self.on_thread:
-            return False
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    # -- the loop ------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._finished():
-                self._step()
-        except BaseException as exc:  # a bug: fail everything, leave nothing behind
-            log.exception("ray ledger failed")
-            self._fail(E.EngineInternalError(f"ray ledger thread failed: {exc!r}"))
-        finally:
-            self._abort_all("the engine closed while it ran")
-            self._kill_all()
-            self.on_stopped()
 
     def _step(self) -> None:
         timer = self._next_timer(time.monotonic())
@@ -518,9 +472,11 @@ class _Ledger:
                 event = self._inbox.get_nowait()
             except queue.Empty:
                 break
+        self.run_calls()
         now = time.monotonic()
         self._timers(now)
         self._dispatch(now)
+        self.flush()
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -528,18 +484,46 @@ class _Ledger:
             self._on_done(event[1], event[2])
         elif kind == "ready":
             self._on_ping(event[1], event[2])
-        elif kind == "command":
-            _, name, arg, reply, done = event
-            try:
-                reply.append(getattr(self, f"_cmd_{name}")(arg))
-            finally:
-                if done is not None:
-                    done.set()
 
     def _finished(self) -> bool:
         if self.failure is not None:
             return True
         return self.closing is not None and len(self.queue) == 0 and not self._flights
+
+    def _fail(self, error: BaseException) -> None:
+        self.fail_all(error)
+
+    def _stopped(self) -> None:
+        self.abort("the engine closed while it ran")
+        self._kill_all()
+        self.flush()
+        self.on_stopped()
+
+    # -- the ledger's hooks (engine.ledger) ----------------------------------------------------
+
+    def _in_hand(self) -> Iterable[Task]:
+        return [f.task for f in self._flights.values()]
+
+    def _kill_running(self, task: Task) -> None:
+        flight = self._flights.get(task.id)
+        if flight is None:
+            return
+        slot = self.slots[flight.slot]
+        if slot.healthy and slot.flights and slot.flights[0] is flight:
+            slot.kill_reason = "cancel"
+            ray.kill(slot.actor, no_restart=False)  # Ray restarts it; its other tasks replay
+
+    def _release(self, task: Task) -> None:
+        if isinstance(task, RayTask):
+            task.ref = None  # the object store may free the inputs now
+
+    def abort(self, reason: str) -> None:
+        """close() ran out of time (or the loop ends): every task ends now, cancelled."""
+        self.abort_in_hand(reason)
+        self._flights.clear()
+        for s in self.slots:
+            s.flights.clear()
+        self.failure = self.failure or E.EngineClosed(reason)
 
     # -- dispatch (steps 3-4) ------------------------------------------------------------------
 
@@ -560,7 +544,7 @@ class _Ledger:
     def _send(self, slot: _RaySlot, task: RayTask, now: float) -> None:
         if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
             task.state = TaskState.CANCELLED  # cancelled between the queue and here
-            self._count("cancelled")
+            self.count("cancelled")
             task.ref = None
             return
         task.move(TaskState.RUNNING)
@@ -599,7 +583,7 @@ class _Ledger:
         elif exc is not None:
             err = E.SessionRunError(f"task {task.id} failed in Ray: {type(exc).__name__}", task_id=task.id)
             err.__cause__ = exc
-            self._finish(task, error=err)
+            self.finish(task, error=err)
         else:
             self._on_result(slot, task, fut.result())
         self._maybe_settle(slot)
@@ -607,7 +591,7 @@ class _Ledger:
     def _on_result(self, slot: _RaySlot, task: RayTask, done: ActorDone) -> None:
         slot.tasks_done += 1
         if done.error is not None:
-            self._finish(task, error=E.from_remote(done.error, task.id))
+            self.finish(task, error=E.from_remote(done.error, task.id))
             return
         t0 = time.perf_counter()
         outputs = _owned(done.outputs)  # step 8
@@ -616,8 +600,8 @@ class _Ledger:
         timings = Timings(queued=max(task.dispatched_at - task.accepted_at, 0.0),
                           transfer=task.copy_in_s + copy_s, run=done.run_s, total=now - task.accepted_at)
         version = slot.info.model_digest if slot.info else ""
-        self._finish(task, result=Result(task.id, outputs, version, slot.index, done.pid, task.attempts,
-                                         timings, task.context))
+        self.finish(task, result=Result(task.id, outputs, version, slot.index, done.pid, task.attempts,
+                                        timings, task.context))
 
     def _current(self, flight: _Flight) -> bool:
         """Exactly-once: only the (task id, attempt) in flight may complete its task."""
@@ -655,7 +639,7 @@ class _Ledger:
             if i == 0 and reason is None:  # d: the one running when the actor died
                 task.crashes.append(Crash(slot.index, slot.pid, None))
                 if len(task.crashes) >= self.cfg.max_attempts:
-                    self._quarantine(task, f.died)
+                    self.quarantine(task, f.died)
                     continue
             replays.append(task)
         self._requeue(replays)  # c
@@ -668,16 +652,6 @@ class _Ledger:
         if tasks:
             self.queue.push_replays([Batch([t], stack=False) for t in sorted(tasks, key=lambda t: t.id)])
 
-    def _quarantine(self, task: RayTask, last: BaseException | None) -> None:
-        crashes = ", ".join(f"slot {c.slot} pid {c.pid}" for c in task.crashes)
-        with self.queue.lock:
-            self.queue.counters.quarantined += 1
-        err = E.PoisonTask(
-            f"task {task.id} was running when {len(task.crashes)} actors died ({crashes}); "
-            "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes))
-        err.__cause__ = last
-        self._finish(task, error=err)
-
     def _ping(self, slot: _RaySlot) -> None:
         slot.ping_at, slot.pinging = None, True
         ref = slot.actor.ready.remote()
@@ -685,7 +659,7 @@ class _Ledger:
 
     def _on_ping(self, slot: _RaySlot, fut: Future[Any]) -> None:
         slot.pinging = False
-        if self.closing == "stopped":
+        if self._stopping:
             return
         exc = fut.exception()
         if exc is None:
@@ -706,92 +680,13 @@ class _Ledger:
         return max(min(due) - now, 0.0) if due else None
 
     def _timers(self, now: float) -> None:
-        for task in self.queue.expire(now):
-            self._finish(task, error=E.TaskTimeout(
-                f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id))
+        self.expire(now)
         for s in self.slots:
             if s.ping_at is not None and now >= s.ping_at:
                 self._ping(s)
 
-    # -- commands ------------------------------------------------------------------------------
-
-    def _cmd_cancel(self, arg: tuple[Task, bool]) -> bool:
-        task, kill = arg
-        if task.state.is_terminal:
-            return False
-        if task.state is TaskState.QUEUED and self.queue.discard(task):
-            self._finish(task, error=_cancelled(task, "cancelled while queued"))
-            return True
-        self._finish(task, error=_cancelled(task, "cancelled while running; its result is dropped"))
-        flight = self._flights.get(task.id)
-        if kill and flight is not None:
-            slot = self.slots[flight.slot]
-            if slot.healthy and slot.flights and slot.flights[0] is flight:
-                slot.kill_reason = "cancel"
-                ray.kill(slot.actor, no_restart=False)  # Ray restarts it; its other tasks replay
-        return True
-
-    def _cmd_close(self, cancel_pending: bool) -> None:
-        self.closing = "cancel" if cancel_pending else (self.closing or "drain")
-        if cancel_pending:
-            for task in self.queue.drain_all():
-                self._finish(task, error=_cancelled(task, "the engine closed before it started", "closed"))
-
-    def _cmd_abort(self, reason: str) -> None:
-        self._cmd_close(True)
-        self._abort_all(reason)
-        self.failure = self.failure or E.EngineClosed(reason)
-
-    def _abort_all(self, reason: str) -> None:
-        for task in self.queue.drain_all():
-            self._finish(task, error=_cancelled(task, reason, "closed"))
-        for flight in list(self._flights.values()):
-            self._finish(flight.task, error=_cancelled(flight.task, reason, "closed"))
-        self._flights.clear()
-        for s in self.slots:
-            s.flights.clear()
-
-    # -- endings -------------------------------------------------------------------------------
-
-    def _finish(self, task: Task, *, result: Result | None = None, error: BaseException | None = None) -> None:
-        """End a task exactly once (9)."""
-        if task.state.is_terminal:
-            return
-        if error is None:
-            new, counter = TaskState.DONE, "completed"
-        elif isinstance(error, E.TaskCancelled):
-            new, counter = TaskState.CANCELLED, "cancelled"
-        else:
-            new, counter = TaskState.FAILED, "failed"
-        task.move(new)
-        self._count(counter)
-        if isinstance(error, E.TaskTimeout):
-            self._count("timeouts")
-        if isinstance(task, RayTask):
-            task.ref = None  # the object store may free the inputs now
-        try:
-            if error is not None:
-                task.future.set_exception(error)
-            else:
-                task.future.set_result(result)  # type: ignore[arg-type]
-        except InvalidStateError:
-            pass  # the caller cancelled it first: it ends once, as cancelled
-
-    def _count(self, counter: str) -> None:
-        with self.queue.lock:
-            setattr(self.queue.counters, counter, getattr(self.queue.counters, counter) + 1)
-
-    def _fail(self, error: BaseException) -> None:
-        """The engine cannot go on: every waiting task fails with why."""
-        self.failure = error
-        self.queue.close(error)
-        for task in self.queue.drain_all():
-            self._finish(task, error=error)
-        for flight in list(self._flights.values()):
-            self._finish(flight.task, error=error)
-
     def _kill_all(self) -> None:
-        self.closing = "stopped"
+        self._stopping = True
         for s in self.slots:
             try:
                 ray.kill(s.actor, no_restart=True)
@@ -805,7 +700,3 @@ def _permanently_dead(exc: BaseException) -> bool:
     """ActorDiedError after Ray gave up restarting it (it never does with max_restarts=-1 unless
     the actor's owner died): anything else is Ray still restarting it, so the ping retries."""
     return isinstance(exc, ActorDiedError) and "max_restarts" in str(exc)
-
-
-def _cancelled(task: Task, why: str, reason: str = "cancelled") -> E.TaskCancelled:
-    return E.TaskCancelled(f"task {task.id}: {why}", task_id=task.id, reason=reason)

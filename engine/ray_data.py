@@ -21,14 +21,13 @@ execution): this adapter has no ledger, no PoisonTask, no exactly-once replay; u
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from slabpool.engine.config import resolve
 from slabpool.workers import context as task_context
-from slabpool.workers import contract
+from slabpool.workers.pipeline import TaskPipeline
 from slabpool.workers.session import ModelSession, load_session
 
 
@@ -54,23 +53,21 @@ class SlabpoolPredictor:
         if cfg.initializer is not None:
             cfg.initializer(*cfg.initargs)
         self._session: ModelSession = load_session(spec)
-        self._preprocess: Callable[..., Any] | None = cfg.preprocess
-        self._postprocess: Callable[..., Any] | None = cfg.postprocess
+        self._pipeline = TaskPipeline(self._session, cfg.preprocess, cfg.postprocess)
         self._context = context
         self.info = self._session.info
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        specs = self.info.inputs
+        """One Ray Data batch: the same pipeline as a worker's task (workers.pipeline). Without
+        preprocess, the columns named after the model's inputs feed it; the others pass through."""
+        names = {s.name for s in self.info.inputs}
+        item: Any = batch
+        if self._pipeline.preprocess is None:
+            item = {n: np.ascontiguousarray(a) for n, a in batch.items() if n in names}
         with task_context.bind(self._context):
-            if self._preprocess is not None:
-                feeds = self._preprocess(batch)
-            else:
-                feeds = {s.name: batch[s.name] for s in specs if s.name in batch}
-            feeds = contract.check(contract.normalize(feeds, specs), specs)
-            outputs = self._session.run({n: np.ascontiguousarray(a) for n, a in feeds.items()})
-            if self._postprocess is not None:
-                return dict(self._postprocess(outputs, batch))
-        names = {s.name for s in specs}
+            outputs = self._pipeline.run(self._pipeline.prepare(item))
+            if self._pipeline.postprocess is not None:
+                return dict(self._pipeline.finish(outputs, batch))
         return {**{k: v for k, v in batch.items() if k not in names}, **outputs}
 
     def __del__(self) -> None:

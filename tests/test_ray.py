@@ -261,6 +261,42 @@ def test_results_equal(backend: str, models: SimpleNamespace) -> None:
     assert (stats.accepted, stats.completed, stats.failed, stats.replayed) == (13, 13, 0, 0)
 
 
+def test_metrics_are_the_same_families(backend: str, models: SimpleNamespace) -> None:
+    """Both backends share the task ledger: the same counters, the same histograms, the same
+    exposition, and prometheus_client registration works on each."""
+    if backend == DELEGATED:
+        return
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slabpool.engine.metrics import register
+
+    registry = prometheus_client.CollectorRegistry()
+    with build(backend, models.mlp) as eng:
+        handle = register(eng, registry, labels={"backend": backend})
+        for i in range(5):
+            eng.infer({"x": rows(i)})
+        fams = {f.name: f for f in text_string_to_metric_families(eng.metrics_text())}
+        assert registry.get_sample_value("slabpool_tasks_completed_total", {"backend": backend}) == 5
+        assert registry.get_sample_value("slabpool_end_to_end_seconds_count", {"backend": backend}) == 5
+        assert set(eng.histograms()) == {"slabpool_queue_wait_seconds", "slabpool_run_seconds",
+                                         "slabpool_end_to_end_seconds"}
+        handle.unregister()
+    counted = {s.name: s.value for s in fams["slabpool_end_to_end_seconds"].samples}
+    assert counted["slabpool_end_to_end_seconds_count"] == 5
+    from slabpool import Engine as Local
+
+    with Local(models.mlp, workers=1, start_method="spawn") as local:  # no forkserver left in a netns
+        expected = {f.name: f.type for f in text_string_to_metric_families(local.metrics_text())}
+    assert {name: f.type for name, f in fams.items()} == expected
+
+
+def test_the_backends_offer_the_same_methods() -> None:
+    public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
+    assert public(Engine) - public(RayEngine) == {"reload"}  # a hot swap needs slots we own
+    assert public(RayEngine) - public(Engine) == {"placement"}  # where Ray put each actor
+
+
 def test_input_contract_errors_at_submit(backend: str, models: SimpleNamespace) -> None:
     if backend == DELEGATED:
         return

@@ -1,0 +1,161 @@
+"""The task ledger both backends share: how a task ends, once, and what is counted.
+
+It runs on the owner thread (engine.owner) and knows tasks, the admission queue, counters and
+metrics; it knows nothing of processes or actors. A backend tells it, through three hooks,
+what it holds in hand (`_in_hand`), how to stop a running task (`_kill_running`) and what a
+task gives back when it ends (`_release`).
+
+Hot-path choices (measured, see CHANGELOG.md): counters are summed per step and published
+under one lock (`count` -> `flush`), before the Futures complete, so the books balance when a
+caller looks; Futures complete after the step's state changes, outside any decision.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from slabpool.engine.admission import TaskQueue
+from slabpool.engine.states import TaskState
+from slabpool.engine.task import Result, Task
+from slabpool.workers import errors
+from slabpool.workers.errors import Crash
+
+
+class Closing(enum.Enum):
+    """How the engine is closing: finish what was accepted, or cancel what has not started."""
+
+    DRAIN = "drain"
+    CANCEL = "cancel"
+
+
+class TaskLedger:
+    """Finish once, cancel, close, quarantine, expire, fail; counters and histograms."""
+
+    def __init__(self, queue: TaskQueue, metrics: Any) -> None:
+        self.queue = queue
+        self.metrics = metrics
+        self.closing: Closing | None = None
+        self.failure: BaseException | None = None
+        self._completions: list[tuple[Future[Result], Result | None, BaseException | None]] = []
+        self._due: dict[str, int] = {}  # counts not yet published (see count)
+
+    # -- what a backend provides -----------------------------------------------------------------
+
+    def _in_hand(self) -> Iterable[Task]:
+        """Every task a slot holds (sent, running, or waiting in a worker's pipe)."""
+        raise NotImplementedError
+
+    def _kill_running(self, task: Task) -> None:
+        """cancel(kill=True): stop the computation of `task` if a slot is running it now."""
+
+    def _release(self, task: Task) -> None:
+        """A task ended: give back what it holds that its slot no longer needs."""
+
+    # -- endings -----------------------------------------------------------------------------------
+
+    def finish(self, task: Task, *, result: Result | None = None, error: BaseException | None = None) -> None:
+        """End a task exactly once (step 9); its Future completes at the next flush()."""
+        if task.state.is_terminal:
+            return
+        if error is None:
+            new, counter = TaskState.DONE, "completed"
+        elif isinstance(error, errors.TaskCancelled):
+            new, counter = TaskState.CANCELLED, "cancelled"
+        else:
+            new, counter = TaskState.FAILED, "failed"
+        task.move(new)
+        self.count(counter)
+        if result is not None:
+            self.metrics.observe(result.timings)  # only what is really delivered
+        if isinstance(error, errors.TaskTimeout):
+            self.count("timeouts")
+        self._release(task)
+        self._completions.append((task.future, result, error))
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Count now, publish in flush(): one lock per step, before the Futures complete."""
+        self._due[counter] = self._due.get(counter, 0) + n
+
+    def flush(self) -> None:
+        """Publish the step's counts, then complete its Futures (once each)."""
+        if self._due:
+            counters, due, self._due = self.queue.counters, self._due, {}
+            with self.queue.lock:
+                for counter, n in due.items():
+                    setattr(counters, counter, getattr(counters, counter) + n)
+        done, self._completions = self._completions, []
+        for fut, result, error in done:
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)  # type: ignore[arg-type]
+            except InvalidStateError:
+                pass  # the caller cancelled it first: it ends once, as cancelled
+
+    # -- what callers ask for (through owner.call) -----------------------------------------------
+
+    def cancel(self, task: Task, kill: bool) -> bool:
+        """Queued: it never runs. Running: its result is never delivered; `kill` stops it."""
+        if task.state.is_terminal:
+            return False
+        if task.state is TaskState.QUEUED and self.queue.discard(task):
+            self.finish(task, error=cancelled(task, "cancelled while queued"))
+            return True
+        self.finish(task, error=cancelled(task, "cancelled while running; its result is dropped"))
+        if kill:
+            self._kill_running(task)
+        return True
+
+    def close(self, cancel_pending: bool) -> None:
+        """Stop taking new work: drain what was accepted, or cancel what has not started."""
+        self.closing = Closing.CANCEL if cancel_pending else (self.closing or Closing.DRAIN)
+        if cancel_pending:
+            for task in self.queue.drain_all():
+                self.finish(task, error=cancelled(task, "the engine closed before it started", "closed"))
+
+    def abort_in_hand(self, reason: str) -> None:
+        """close() ran out of time: every task a slot holds ends as cancelled now."""
+        self.close(True)
+        for task in list(self._in_hand()):
+            self.finish(task, error=cancelled(task, reason, "closed"))
+
+    def quarantine(self, task: Task, cause: BaseException | None) -> None:
+        """A task charged with max_attempts deaths: PoisonTask, never retried again."""
+        crashes = ", ".join(f"slot {c.slot} pid {c.pid}" + (f" {c.signal}" if c.exitcode is not None else "")
+                            for c in task.crashes)
+        self.count("quarantined")
+        error = errors.PoisonTask(
+            f"task {task.id} was in hand when {len(task.crashes)} workers died ({crashes}); "
+            "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes))
+        error.__cause__ = cause
+        self.finish(task, error=error)
+
+    def expire(self, now: float) -> None:
+        """Queued tasks past their deadline end as TaskTimeout; they never started."""
+        for task in self.queue.expire(now):
+            self.finish(task, error=errors.TaskTimeout(
+                f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id))
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine cannot go on: every waiting and held task fails with why."""
+        self.failure = error
+        self.queue.close(error)
+        for task in self.queue.drain_all():
+            self.finish(task, error=error)
+        for task in list(self._in_hand()):
+            self.finish(task, error=error)
+
+
+def cancelled(task: Task, why: str, reason: str = "cancelled") -> errors.TaskCancelled:
+    return errors.TaskCancelled(f"task {task.id}: {why}", task_id=task.id, reason=reason)
+
+
+def crash_error(c: Crash) -> errors.WorkerCrashed:
+    """The WorkerCrashed that stands for one recorded death (a PoisonTask's cause)."""
+    return errors.WorkerCrashed(
+        f"the worker of slot {c.slot} (pid {c.pid}) died with {c.signal}." + errors.crash_hint(c.exitcode),
+        slot=c.slot, pid=c.pid, exitcode=c.exitcode)

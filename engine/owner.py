@@ -1,0 +1,140 @@
+"""The owner thread both backends share: the one thread that touches slots and running tasks.
+
+Other threads never change engine state; they hand the owner a callable (trio's
+`run_sync_soon`): `owner.call(fn, *args)` returns a Future of what `fn` returned, run on the
+owner thread at its next step. A call greps to its callers, needs no dispatch table, and a late
+one fails loudly: every call still pending when the loop exits fails with EngineClosed.
+
+    caller threads                  owner thread
+      call(fn, *args) --append-->   _step(): wait for work (a backend's own wait: a selector
+                      --wake()-->            over pipes and sentinels, or an inbox)
+      Future <------------------           run_calls(): each fn on this thread, in order
+                                             ... the backend's own work ...
+                                    _finished()? -> _stopped(), then every pending call fails
+
+A backend subclasses it with `_step`, `_finished`, `_stopped` and `wake`; `_fail(error)` is
+what an internal bug leads to (the engine fails loudly, nothing is left running).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from slabpool.workers import errors
+
+T = TypeVar("T")
+log = logging.getLogger("slabpool.engine")
+
+
+class OwnerThread:
+    """The loop skeleton, the call bus and the thread. See the module docstring."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._calls_lock = threading.Lock()
+        self._loop_done = False  # set once, under _calls_lock: later calls fail at once
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- what a backend provides ---------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Make the owner's next wait return (callable from any thread)."""
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        """Wait for work once, then do it (run_calls included)."""
+        raise NotImplementedError
+
+    def _finished(self) -> bool:
+        raise NotImplementedError
+
+    def _fail(self, error: BaseException) -> None:
+        """The engine cannot go on: every waiting and running task fails with `error`."""
+        raise NotImplementedError
+
+    def _stopped(self) -> None:
+        """On the owner thread, after the loop: stop every slot, complete what is left."""
+
+    # -- the call bus ----------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` on the owner thread; a Future of its return value. On the owner
+        thread itself it runs now. After the loop has exited the Future fails (EngineClosed).
+        `fn` must not raise: what it raises is a bug, and fails the engine."""
+        fut: Future[T] = Future()
+        if self.on_thread:
+            _settle(fut, fn, args)
+            return fut
+        with self._calls_lock:
+            if self._loop_done:
+                fut.set_exception(errors.EngineClosed("the engine has stopped: nothing runs this call"))
+                return fut
+            self._calls.append((fn, args, fut))
+        self.wake()
+        return fut
+
+    def run_calls(self) -> None:
+        """Run every pending call (on the owner thread, from `_step`)."""
+        while self._calls:
+            fn, args, fut = self._calls.popleft()
+            _settle(fut, fn, args)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def start_loop(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the loop to exit; False if it still runs (or if called from the loop)."""
+        if self.on_thread:
+            return False
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while not self._finished():
+                self._step()
+        except BaseException as exc:  # a bug in slabpool: fail everything, loudly
+            log.exception("%s failed", self._thread.name)
+            self._fail(errors.EngineInternalError(f"{self._thread.name} thread failed: {exc!r}"))
+        finally:
+            try:
+                self._stopped()
+            finally:
+                with self._calls_lock:
+                    self._loop_done = True
+                self.run_calls_after_exit()
+
+    def run_calls_after_exit(self) -> None:
+        """Calls that arrived while the loop was exiting: they find no loop to run them."""
+        while self._calls:
+            _, _, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(errors.EngineClosed("the engine stopped before this call ran"))
+
+
+def _settle(fut: Future[T], fn: Callable[..., T], args: tuple[Any, ...]) -> None:
+    """Run one call. What it raises is a bug of the owner's (calls hold no user code): the
+    caller's Future carries it, and it goes on up to fail the loop, loudly."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:
+        fut.set_exception(exc)
+        raise

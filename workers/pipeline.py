@@ -1,0 +1,98 @@
+"""One item's way through a worker, the same in every kind of worker: the process worker
+(workers.main), the Ray actor (engine.ray_backend.SlotActor) and Ray Data's predictor
+(engine.ray_data.SlabpoolPredictor).
+
+    seed -> preprocess -> input contract -> session.run -> postprocess
+      |                        |                 |
+      a replay draws the       InputContractError RunTimeout (task_timeout)
+      same random numbers      kind "contract"    kind "timeout"; anything else "run"
+
+An error leaves the worker as a `RemoteError` record (kind, class name, message, traceback),
+never as a pickled exception (`remote_error`); the caller's side maps it back onto the error
+tree (`errors.from_remote`).
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from slabpool.workers import contract, faults
+from slabpool.workers.errors import InputContractError
+from slabpool.workers.protocol import FaultSpec, RemoteError
+from slabpool.workers.session import ModelSession, RunTimeout
+
+# A slot's status word in shared memory holds the id of the task its worker is in, or:
+IDLE, STACKED = -1, -2  # no task / a stacked batch (every task of it at once)
+
+
+def seed_task(seed: int) -> None:
+    """Seed numpy's and Python's global generators from the task's seed (before preprocess)."""
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+def remote_error(exc: BaseException, kind: Any) -> RemoteError:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
+
+
+def error_kind(exc: BaseException) -> str:
+    """Whose fault, as the caller's side maps it: the input contract, the time limit, or the
+    run itself (the runtime, or the user's pre/postprocess)."""
+    if isinstance(exc, InputContractError):
+        return "contract"
+    if isinstance(exc, RunTimeout):
+        return "timeout"
+    return "run"
+
+
+class TaskPipeline:
+    """preprocess -> contract -> run -> postprocess for one item, in the worker that owns
+    `session` (None: preprocess is the whole task). `stage` names the step last entered."""
+
+    def __init__(
+        self,
+        session: ModelSession | None,
+        preprocess: Callable[..., Any] | None,
+        postprocess: Callable[..., Any] | None,
+    ) -> None:
+        self.session = session
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.stage = ""
+
+    def prepare(self, item: Any) -> Any:
+        """preprocess, then the input contract: the feeds for one session call."""
+        self.stage = "preprocess"
+        if self.preprocess is not None:
+            item = self.preprocess(item)
+        if self.session is not None:
+            specs = self.session.info.inputs
+            item = contract.check(contract.normalize(item, specs), specs)
+        return item
+
+    def run(self, feeds: Any, timeout: float | None = None) -> Any:
+        self.stage = "run"
+        return self.session.run(feeds, timeout) if self.session is not None else feeds
+
+    def finish(self, outputs: Any, item: Any) -> Any:
+        self.stage = "postprocess"
+        return self.postprocess(outputs, item) if self.postprocess is not None else outputs
+
+    def __call__(self, item: Any, timeout: float | None = None, fault: FaultSpec | None = None) -> Any:
+        """All four steps for one item; `fault` (tests) strikes at the stage it names."""
+        faults.inject(fault, "preprocess")
+        outputs = feeds = self.prepare(item)
+        if self.session is not None:
+            faults.inject(fault, "run")
+            outputs = self.run(feeds, timeout)
+        if self.postprocess is not None:
+            faults.inject(fault, "postprocess")
+            outputs = self.finish(outputs, item)
+        faults.inject(fault, "write_outputs")
+        return outputs
