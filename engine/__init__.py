@@ -26,7 +26,9 @@
 Actors:
 - `Engine` (engine.api): the caller's API. Steps 1-2 run in the caller's thread; the
   admission queue (engine.admission) bounds what is accepted and not yet running. `map()`
-  (engine.frontend) sends tiny items many to a task (a Chunk: one outcome per item).
+  (engine.frontend) sends tiny items many to a task (a Chunk: one outcome per item);
+  `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as contiguous blocks,
+  one task each, cut down to rows when a block fails (engine.blocks).
 - `Supervisor` (engine.supervisor): one thread; the only one that touches slots and running
   tasks. It waits on every pipe, every process sentinel and a wake-up pipe in one selector.
   Tiny tasks go to a slot in groups (one message each way); with max_batch_size they are

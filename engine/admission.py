@@ -23,7 +23,12 @@ MIN_GROUP = 8  # tiny tasks per slot worth a message sent ahead to a busy slot
 
 @dataclass
 class Counters:
-    """The engine's own accounting. accepted == completed + failed + cancelled + in flight."""
+    """The engine's own accounting, in tasks (what the engine runs) and in items (what the
+    caller handed in: a submit() is one item, a map() item one, a row of
+    infer(batch_size=) one). accepted == completed + failed + cancelled + in flight, for each.
+    A task of a map() chunk or an infer() block counts no items itself: the caller's side
+    counts its items as their outcomes are known (a block bisected after a failure is
+    several tasks, its rows counted once)."""
 
     accepted: int = 0
     completed: int = 0
@@ -34,6 +39,10 @@ class Counters:
     timeouts: int = 0
     stacked_batches: int = 0
     outputs_in_place: int = 0  # tasks whose outputs the runtime wrote into shared memory itself
+    items_accepted: int = 0
+    items_completed: int = 0
+    items_failed: int = 0
+    items_cancelled: int = 0
 
 
 class TaskQueue:
@@ -107,6 +116,7 @@ class TaskQueue:
             self._next_id += 1
             self._pending[task.id] = task
             self.counters.accepted += 1
+            self.counters.items_accepted += task.units
             if task.deadline is not None:
                 self._deadlines += 1
             wake = (self.hungry and len(self._pending) >= self.wake_at) or task.deadline is not None

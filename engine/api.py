@@ -113,12 +113,15 @@ class Engine(BaseEngine):
         deadline: float | None = None,
         block_timeout: float | None = None,
         _fault: FaultSpec | None = None,
+        _units: int = 1,
     ) -> Future[Result]:
         """Accept one task; its inputs are copied into shared memory before this returns."""
         if self._state is not EngineState.ACCEPTING:
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
         item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
-        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault)
+        if not _units:  # a block of rows (infer(batch_size=), the job): never stacked with others
+            shape_key, items = ("block", items, shape_key), 0
+        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units)
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         """Several items as one task (Engine.map): its Result's outputs are a Chunk, one
@@ -126,11 +129,11 @@ class Engine(BaseEngine):
         if self._state is not EngineState.ACCEPTING:
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
         chunk = Chunk(self._admit(x)[0] for x in inputs)  # each item checked at the door
-        return self._enqueue(chunk, ("chunk", len(chunk)), 0, context, None, None, None)
+        return self._enqueue(chunk, ("chunk", len(chunk)), 0, context, None, None, None, 0)
 
     def _enqueue(
         self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None,
+        deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None, units: int = 1,
     ) -> TaskFuture:
         skeleton, arrays = packing.split(item)
         offsets, nbytes = packing.layout(arrays)
@@ -162,7 +165,7 @@ class Engine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes)
+                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes, units=units)
 
         try:
             task = self._queue.accept(make)
@@ -178,6 +181,7 @@ class Engine(BaseEngine):
         task.move(TaskState.CANCELLED)
         with self._queue.lock:
             self._queue.counters.cancelled += 1
+            self._queue.counters.items_cancelled += task.units
         if task.lease is not None:
             self._inputs.release(task.lease)
             task.lease = None

@@ -68,6 +68,8 @@ class TaskLedger:
             new, counter = TaskState.FAILED, "failed"
         task.move(new)
         self.count(counter)
+        if task.units:
+            self.count("items_" + counter, task.units)
         if result is not None:
             self.metrics.observe(result.timings)  # only what is really delivered
         if isinstance(error, errors.TaskTimeout):

@@ -133,6 +133,12 @@ _COUNTERS = (
     ("quarantined", "Tasks quarantined as poison."),
     ("timeouts", "Tasks that hit their deadline or task_timeout."),
 )
+_ITEM_COUNTERS = (
+    ("accepted", "Items the caller handed in (a submit, a map() item, a row of infer(batch_size=))."),
+    ("completed", "Items that ended with a result."),
+    ("failed", "Items that ended with an error."),
+    ("cancelled", "Items cancelled or never run."),
+)
 
 
 # -- one model of what is exposed ---------------------------------------------------------------
@@ -159,6 +165,8 @@ def families(engine: Engine) -> list[Family]:
     """Every family, from one `stats()` snapshot and one histogram snapshot."""
     st = engine.stats()
     out = [_family(f"tasks_{name}", "counter", help_, [((), getattr(st, name))]) for name, help_ in _COUNTERS]
+    out += [_family(f"items_{name}", "counter", help_, [((), getattr(st, f"items_{name}"))])
+            for name, help_ in _ITEM_COUNTERS]
     out += _slot_families(st)
     out += [
         _family("queue_depth", "gauge", "Tasks accepted and not yet running.", [((), st.queued)]),

@@ -248,6 +248,7 @@ class RayEngine(BaseEngine):
         deadline: float | None = None,
         block_timeout: float | None = None,
         _fault: FaultSpec | None = None,
+        _units: int = 1,
     ) -> Future[Result]:
         """Accept one task; its inputs are in Ray's object store before this returns."""
         if self._state is not EngineState.ACCEPTING:
@@ -267,7 +268,7 @@ class RayEngine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, context, self._seed(task_id),
-                           abs_deadline, _fault, copy_in_s=put_s, ref=ref)
+                           abs_deadline, _fault, copy_in_s=put_s, ref=ref, units=_units)
 
         task = self._queue.accept(make)
         fut.slabpool_task = task
@@ -277,6 +278,7 @@ class RayEngine(BaseEngine):
         task.move(TaskState.CANCELLED)
         with self._queue.lock:
             self._queue.counters.cancelled += 1
+            self._queue.counters.items_cancelled += task.units
         if isinstance(task, RayTask):
             task.ref = None
         if error is not None:
@@ -545,6 +547,7 @@ class _Ledger(OwnerThread, TaskLedger):
         if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
             task.state = TaskState.CANCELLED  # cancelled between the queue and here
             self.count("cancelled")
+            self.count("items_cancelled", task.units)
             task.ref = None
             return
         task.move(TaskState.RUNNING)

@@ -35,6 +35,10 @@ class SlotStats:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """accepted/completed/failed/cancelled count tasks (what the engine ran: a map() chunk or
+    an infer(batch_size=) block is one task); items_* count what the caller handed in (a
+    submit() is one item, a map() item one, a row of infer(batch_size=) or of the job one)."""
+
     state: str
     slots: tuple[SlotStats, ...]
     queued: int
@@ -51,3 +55,7 @@ class EngineStats:
     shm_capacity: int  # per arena
     stacked_batches: int = 0  # session calls that ran several tasks stacked (dynamic batching)
     outputs_in_place: int = 0  # tasks whose outputs ONNX Runtime wrote into shared memory (IO binding)
+    items_accepted: int = 0  # the caller's items (rows of infer(batch_size=)) handed in
+    items_completed: int = 0  # ... that ended with a result
+    items_failed: int = 0  # ... that ended with an error (a failed row of a block, say)
+    items_cancelled: int = 0  # ... cancelled, or never run (map() abandoned, close)

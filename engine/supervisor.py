@@ -568,6 +568,7 @@ class Supervisor:
             if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
                 task.state = TaskState.CANCELLED  # the caller cancelled it between queue and here
                 self._count("cancelled")
+                self._count("items_cancelled", task.units)
                 self._release_input(task)
                 continue
             if task.state is TaskState.QUEUED:
@@ -718,6 +719,8 @@ class Supervisor:
             new, counter = TaskState.FAILED, "failed"
         task.move(new)
         self._count(counter)
+        if task.units:
+            self._count("items_" + counter, task.units)
         if result is not None:
             self.metrics.observe(result.timings)  # only what is really delivered
         if isinstance(error, E.TaskTimeout):

@@ -58,6 +58,7 @@ class Task:
     crashes: list[Crash] = field(default_factory=list)
     dispatched_at: float = 0.0
     in_batch: Batch | None = None  # the batch that holds it in a slot (its lease stays till then)
+    units: int = 1  # caller's items it counts for in stats() (0: a chunk or block, counted by the caller's side)
 
     def move(self, new: TaskState) -> None:
         self.state.check(new)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         InputContractError,
         PoisonTask,
         QueueFull,
+        RowsFailed,
         SessionInitError,
         SessionRunError,
         ShmCapacityError,
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 _ERRORS = (
     "EngineClosed", "EngineError", "EngineInternalError", "InputContractError", "PoisonTask",
-    "QueueFull", "SessionInitError", "SessionRunError", "ShmCapacityError", "TaskCancelled",
+    "QueueFull", "RowsFailed", "SessionInitError", "SessionRunError", "ShmCapacityError", "TaskCancelled",
     "TaskError", "TaskTimeout", "WorkerCrashed", "WorkerError",
 )
 _LAZY = {
@@ -84,6 +85,7 @@ __all__ = [
     "QueueFull",
     "RayEngine",
     "Result",
+    "RowsFailed",
     "SessionInitError",
     "SessionRunError",
     "ShmCapacityError",

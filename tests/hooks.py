@@ -86,3 +86,18 @@ def kill_flagged(item: Any) -> Any:
     if item.get("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     return {"x": np.asarray(item["x"], dtype=np.float32)}
+
+
+def kill_rows(block: Any) -> Any:
+    """A block of rows {"x", "kill"}: kill this worker whenever a row flagged in "kill" is in it."""
+    if np.asarray(block["kill"]).any():
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"x": np.ascontiguousarray(block["x"], dtype=np.float32)}
+
+
+def fail_rows(block: Any) -> Any:
+    """A block of rows {"x", "bad"}: raise whenever a row flagged in "bad" is in it."""
+    bad = np.flatnonzero(np.asarray(block["bad"]))
+    if bad.size:
+        raise ValueError(f"{bad.size} bad row(s) in this block")
+    return {"x": np.ascontiguousarray(block["x"])}

@@ -13,6 +13,9 @@
     │   ├── SessionRunError    the runtime or the user's pre/postprocess raised; the remote
     │   │                      traceback is the __cause__
     │   └── PoisonTask         killed max_attempts workers; .crashes lists each exit code/signal
+    ├── RowsFailed             some rows of infer(batch_size=) failed: .rows, .errors (each
+    │                          row's own error), .outputs (the other rows; failed rows NaN, 0
+    │                          for integer outputs)
     ├── WorkerError            not the caller's fault
     │   ├── WorkerCrashed      a worker died: .slot .pid .exitcode .signal
     │   └── SessionInitError   the model or its provider/delegate failed to load; the pool
@@ -29,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # workers import this module: no import of theirs at run time
     from slabpool.workers.protocol import RemoteError
@@ -106,6 +109,25 @@ class PoisonTask(TaskError):
     def __init__(self, message: str, *, task_id: int | None = None, crashes: tuple[Crash, ...] = ()):
         super().__init__(message, task_id=task_id)
         self.crashes = crashes
+
+
+class RowsFailed(EngineError):
+    """Some rows of `infer(feeds, batch_size=...)` failed, each alone (its block was cut down
+    to it); the other rows have their outputs.
+
+    `rows`: the failed row indices, sorted; `errors`: row index -> its error (PoisonTask,
+    SessionRunError, ...); `outputs`: dict name -> array of every row, the failed ones NaN
+    (0 for integer outputs), or None when no row succeeded (the output shapes are unknown)."""
+
+    def __init__(self, message: str, *, rows: list[int], errors: dict[int, BaseException],
+                 outputs: dict[str, Any] | None) -> None:
+        super().__init__(message)
+        self.rows = rows
+        self.errors = errors
+        self.outputs = outputs
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class WorkerError(EngineError):

@@ -1,0 +1,229 @@
+"""Engine.infer(feeds, batch_size=...): rows on axis 0 as blocks, one task each.
+
+Checked against the same blocks run one after another in one in-process session (byte for
+byte), for ONNX Runtime (small outputs copied, large ones written in place) and LiteRT, from
+arrays, dicts and memory-mapped .npy files; the counting of rows next to tasks; rows that fail
+(a runtime error, a worker SIGKILLed by a row) failing alone with their own errors; the
+errors a caller meets at the door."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slabpool import Engine, EngineError, InputContractError, PoisonTask, RowsFailed, SessionRunError
+from slabpool.engine.blocks import PROBE_ROWS, BlockSizer
+from tests.models import onnx_models
+from tests.reference import litert_run, ort_run
+
+RNG = np.random.default_rng(12)
+
+
+def _serial(run, model, feeds: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """The same blocks, one after another, in one in-process session."""
+    n = next(iter(feeds.values())).shape[0]
+    parts = [run(model, {k: v[lo : lo + size] for k, v in feeds.items()}) for lo in range(0, n, size)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert got[k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.parametrize("size", [1, 7, 100, 1000, 5000])
+def test_blocks_equal_the_same_blocks_run_serially(models, size) -> None:  # type: ignore[no-untyped-def]
+    x = RNG.standard_normal((3001, 16)).astype(np.float32)
+    with Engine(models.mlp, workers=2) as eng:
+        got = eng.infer({"x": x}, batch_size=size)
+        bare = eng.infer(x, batch_size=size)  # a bare array: the model's one input
+        st = eng.stats()
+    want = _serial(ort_run, models.mlp, {"x": x}, size)
+    _same(got, want)
+    _same(bare, want)
+    blocks = -(-3001 // size)
+    assert st.accepted == st.completed == 2 * blocks  # one task per block
+    assert st.items_accepted == st.items_completed == 2 * 3001  # the rows handed in
+    assert st.items_failed == st.failed == 0
+
+
+@pytest.mark.parametrize("model,make,size", [
+    ("int_model", lambda n: RNG.integers(-1000, 1000, (n, 4)).astype(np.int32), 33),
+    ("payload", lambda n: RNG.standard_normal((n, 256 * 1024)).astype(np.float32), 3),  # 3 MiB a block: in place
+    ("identity", lambda n: RNG.standard_normal((n, 4)).astype(np.float32), 64),
+], ids=["int", "payload-in-place", "identity"])
+def test_other_models_and_outputs_written_in_place(models, model, make, size) -> None:  # type: ignore[no-untyped-def]
+    path = getattr(models, model)
+    x = make(20 if model == "payload" else 500)
+    with Engine(path, workers=2) as eng:
+        got = eng.infer(x, batch_size=size)
+        st = eng.stats()
+    name = "x"
+    _same(got, _serial(ort_run, path, {name: x}, size))
+    if model == "payload":
+        assert st.outputs_in_place > 0  # the runtime wrote the blocks' outputs into shared memory
+
+
+def test_two_inputs_from_memory_mapped_files(models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    idx = RNG.integers(-10, 10, 700).astype(np.int64)
+    x = RNG.standard_normal((700, 4)).astype(np.float32)
+    np.save(tmp_path / "idx.npy", idx)
+    np.save(tmp_path / "x.npy", x)
+    feeds = {"idx": np.load(tmp_path / "idx.npy", mmap_mode="r"), "x": np.load(tmp_path / "x.npy", mmap_mode="r")}
+    with Engine(models.poison, workers=2) as eng:
+        got = eng.infer(feeds, batch_size=128)
+    _same(got, _serial(ort_run, models.poison, {"idx": idx, "x": x}, 128))
+
+
+def test_litert_blocks(models) -> None:  # type: ignore[no-untyped-def]
+    x = RNG.standard_normal((300, 16)).astype(np.float32)
+    with Engine(models.tfl_mlp, workers=2) as eng:
+        got = eng.infer(x, batch_size=64)
+        name = eng.describe().inputs[0].name
+    _same(got, _serial(litert_run, models.tfl_mlp, {name: x}, 64))
+
+
+def test_auto_block_size(models) -> None:  # type: ignore[no-untyped-def]
+    x = RNG.standard_normal((20_000, 16)).astype(np.float32)
+    with Engine(models.mlp, workers=2) as eng:
+        got = eng.infer({"x": x}, batch_size="auto")
+        st = eng.stats()
+    want = ort_run(models.mlp, {"x": x})
+    np.testing.assert_allclose(got["y"] if "y" in got else next(iter(got.values())), next(iter(want.values())),
+                               rtol=1e-5, atol=1e-6)
+    assert 2 <= st.accepted < 20_000 // PROBE_ROWS  # a probe, then blocks grown from the run time per row
+    assert st.items_completed == 20_000
+
+
+def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
+    s = BlockSizer("auto", in_row_bytes=64, arena_bytes=1 << 20, in_flight=4)
+    assert s.probing and s.next() == PROBE_ROWS
+
+    class R:  # a Result's two fields the sizer reads
+        def __init__(self, run: float, rows: int) -> None:
+            self.timings = type("T", (), {"run": run})()
+            self.outputs = {"y": np.zeros((rows, 1), np.float32)}
+
+    s.observe(R(0.001, 1000), 1000)  # 1 us a row: 30 ms is 30k rows, but 128 KiB / 64 B = 2048
+    assert not s.probing and s.next() == 2048
+    s2 = BlockSizer("auto", in_row_bytes=4, arena_bytes=1 << 30, in_flight=4)
+    s2.observe(R(0.1, 100), 100)  # 1 ms a row
+    assert s2.next() == 30
+    assert BlockSizer(17, 4, 1 << 20, 4).next() == 17
+    for bad in (0, -1, 2.5, "big", True):
+        with pytest.raises(ValueError, match="batch_size"):
+            BlockSizer(bad, 4, 1 << 20, 4)  # type: ignore[arg-type]
+
+
+def test_rows_that_fail_in_the_runtime_fail_alone(models) -> None:  # type: ignore[no-untyped-def]
+    n = 500
+    idx = RNG.integers(-10, 10, n).astype(np.int64)
+    bad = [3, 250, 251, 499]
+    idx[bad] = [99, -50, 10, 1000]  # outside the table: InvalidArgument for these rows only
+    x = RNG.standard_normal((n, 4)).astype(np.float32)
+    with Engine(models.poison, workers=2) as eng:
+        with pytest.raises(RowsFailed) as info:
+            eng.infer({"idx": idx, "x": x}, batch_size=64)
+        st = eng.stats()
+    err = info.value
+    assert err.rows == bad
+    assert all(isinstance(err.errors[i], SessionRunError) for i in bad)
+    assert err.outputs is not None
+    y = err.outputs["y"]
+    assert np.isnan(y[bad]).all()
+    good = np.setdiff1d(np.arange(n), bad)
+    want = onnx_models.poison_reference(idx[good], x[good])["y"]
+    np.testing.assert_allclose(y[good], want, rtol=1e-6)
+    assert st.restarts == 0
+    assert st.items_accepted == n and st.items_failed == len(bad) and st.items_completed == n - len(bad)
+
+
+def test_a_row_that_kills_workers_fails_alone(models) -> None:  # type: ignore[no-untyped-def]
+    n = 48
+    x = RNG.standard_normal((n, 16)).astype(np.float32)
+    kill = np.zeros(n, bool)
+    kill[37] = True
+    with Engine(models.mlp, workers=2, preprocess="tests.hooks:kill_rows", max_attempts=2) as eng:
+        with pytest.raises(RowsFailed) as info:
+            eng.infer({"x": x, "kill": kill}, batch_size=16)
+        st = eng.stats()
+    err = info.value
+    assert err.rows == [37]
+    assert isinstance(err.errors[37], PoisonTask)
+    assert err.outputs is not None
+    good = np.setdiff1d(np.arange(n), [37])
+    want = _serial(ort_run, models.mlp, {"x": x}, 1)  # rows alone: compare loosely (blocks were cut)
+    for k, v in want.items():
+        np.testing.assert_allclose(err.outputs[k][good], v[good], rtol=1e-5, atol=1e-6)
+        assert np.isnan(err.outputs[k][37]).all()
+    assert st.restarts >= 2 and st.quarantined >= 1
+    assert st.items_failed == 1 and st.items_completed == n - 1
+
+
+def test_rows_that_fail_in_a_preprocess_fail_alone_integer_outputs_zero(models) -> None:  # type: ignore[no-untyped-def]
+    n = 100
+    x = RNG.integers(-9, 9, (n, 4)).astype(np.int32)
+    bad = np.zeros(n, bool)
+    bad[[0, 57]] = True
+    with Engine(models.int_model, workers=2, preprocess="tests.hooks:fail_rows") as eng:
+        with pytest.raises(RowsFailed) as info:
+            eng.infer({"x": x, "bad": bad}, batch_size=32)
+    err = info.value
+    assert err.rows == [0, 57]
+    assert all(isinstance(e, SessionRunError) and "bad row" in str(e) for e in err.errors.values())
+    assert err.outputs is not None
+    y = err.outputs["y"]
+    assert y.dtype == np.int32 and (y[[0, 57]] == 0).all()  # failed rows of an integer output: 0
+    good = np.setdiff1d(np.arange(n), [0, 57])
+    _same({"y": y[good]}, onnx_models.int_reference(x[good]))
+
+
+def test_every_row_failing_leaves_no_outputs(models) -> None:  # type: ignore[no-untyped-def]
+    idx = np.full(8, 77, np.int64)
+    with Engine(models.poison, workers=1) as eng:
+        with pytest.raises(RowsFailed) as info:
+            eng.infer({"idx": idx, "x": np.zeros((8, 4), np.float32)}, batch_size=4)
+    assert info.value.rows == list(range(8)) and info.value.outputs is None
+
+
+def test_errors_at_the_door(models) -> None:  # type: ignore[no-untyped-def]
+    x = RNG.standard_normal((10, 16)).astype(np.float32)
+    with Engine(models.mlp, workers=1) as eng:
+        with pytest.raises(InputContractError, match="dtype"):
+            eng.infer(x.astype(np.float64), batch_size=4)  # once, not per block
+        with pytest.raises(ValueError, match="batch_size"):
+            eng.infer(x, batch_size=0)
+        with pytest.raises(ValueError, match="same number of rows"):
+            eng.infer({"x": x, "y": x[:3]}, batch_size=4)
+        with pytest.raises(TypeError, match="rows go as"):
+            eng.infer([x], batch_size=4)
+        with pytest.raises(TypeError, match="not \\['deadline'\\]"):
+            eng.infer(x, batch_size=4, deadline=1.0)
+        empty = eng.infer(x[:0], batch_size=4)  # no rows: one task, as without batch_size
+        assert next(iter(empty.values())).shape[0] == 0
+        assert eng.stats().failed == 0
+    with Engine(models.static, workers=1) as eng:
+        spec = eng.describe().inputs[0]
+        with pytest.raises(ValueError, match="not a dynamic axis 0"):
+            eng.infer(np.zeros(spec.shape, np.float32), batch_size=1)  # type: ignore[arg-type]
+    with Engine(models.multi_io, workers=1) as eng:  # "total" has no batch axis
+        feeds = {"feats": np.ones((6, 4), np.float32), "ids": np.arange(6, dtype=np.int64)}
+        with pytest.raises(EngineError, match="rows must lie on axis 0"):
+            eng.infer(feeds, batch_size=3)
+
+
+def test_map_counts_items_next_to_tasks(models) -> None:  # type: ignore[no-untyped-def]
+    items = [{"x": RNG.standard_normal((1, 16)).astype(np.float32)} for _ in range(2000)]
+    with Engine(models.mlp, workers=2) as eng:
+        assert len(list(eng.map(items))) == 2000
+        it = eng.map(items, chunk=50)
+        for _ in range(10):
+            next(it)
+        it.close()  # abandoned: what was not delivered counts as cancelled
+    st = eng.stats()  # closed: every task has ended
+    assert st.accepted < 2000  # chunks
+    assert st.items_accepted == st.items_completed + st.items_cancelled + st.items_failed
+    assert st.items_accepted >= 2010 and st.items_completed >= 2010
+    assert st.accepted == st.completed + st.cancelled + st.failed
