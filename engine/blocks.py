@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -118,18 +118,19 @@ Submit = Callable[[int, int], "Future[Result]"]
 
 
 def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSizer, window: int,
-               wait: Callable[[Future[Result]], None] | None = None) -> Iterator[Piece]:
+               stop: Callable[[], bool] | None = None) -> Generator[Piece, None, None]:
     """Pieces covering every run [lo, hi), in order, at most `window` blocks in flight.
 
     `submit(lo, hi)` hands one block to the engine. A block that fails with a BISECT error is
     cut in two (both halves go to the head of the line: order holds), down to single rows; a
     row that still fails is a Piece with its error. An error of the engine itself (closed,
-    broken) propagates. Abandoning the iterator cancels the blocks still queued."""
+    broken) propagates. Once `stop()` is true no new block starts (those in flight finish).
+    Abandoning the iterator cancels the blocks still queued."""
     pending: deque[tuple[int, int, Future[Result]]] = deque()
     cuts = _cut(runs, sizer)
     try:
         while True:
-            while len(pending) < (1 if sizer.probing else window):
+            while len(pending) < (1 if sizer.probing else window) and not (stop and stop()):
                 block = next(cuts, None)
                 if block is None:
                     break
@@ -137,8 +138,6 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
             if not pending:
                 return
             lo, hi, fut = pending.popleft()
-            if wait is not None:
-                wait(fut)
             try:
                 res = fut.result()
             except BISECT as exc:

@@ -1,13 +1,18 @@
 """The batch job behind `slabpool run`: read items, map them through an Engine, keep results.
 
-    INPUT --open_source--> todo (items not yet durable) --submit, window--> Engine
-                                                                              |
+    INPUT --open_source--> todo (runs of items not yet durable) --blocks | chunks--> Engine
+                                                                                      |
     OUTPUT <--assemble-- Store (shards + journal) <--commit, every ~1 s-- Collector (in order)
 
 1 open INPUT and the Store; the journal says which items are settled (a row or a failure)
-2 start the Engine; submit the other items one per task (shape (1, ...)), a bounded window
-3 take results in input order; a failed item is recorded, not fatal
-4 commit the buffered rows as a shard (atomic) and journal it, at least every `durable_every` s
+2 start the Engine; send the other items, a bounded window in flight:
+  - rows of .npy/.npz (no hooks, a batchable model): blocks of rows, one task each, read
+    straight from the memory-mapped file (engine/blocks.py; a failing block is cut down to
+    its failing rows);
+  - any other source: Engine.map (tiny items many to a task, each item its own outcome)
+3 take results in input order; a failed item (row) is recorded, not fatal
+4 commit the buffered blocks and items as a shard (atomic) and journal it, at least every
+  `durable_every` s
 5 at the end: failures.jsonl, the single-file OUTPUT (if asked for), report.json, a summary
 
 Ctrl-C or SIGTERM: stop submitting, finish what is in flight, commit, exit 130/143. A second
@@ -23,7 +28,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -31,7 +36,9 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 
+from slabpool.engine.blocks import BlockSizer, Piece, row_bytes, run_blocks
 from slabpool.engine.job_io import (
+    Array,
     Failure,
     JobError,
     RowError,
@@ -50,7 +57,7 @@ from slabpool.engine.job_io import (
 from slabpool.engine.task import Result
 from slabpool.workers import errors as E
 
-MAX_SHARD_ITEMS = 10_000  # a shard also closes at this size, to bound memory
+MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ class JobSpec:
     input: Path
     output: Path
     workers: int | None = None
-    batch_size: int = 1
+    batch_size: int | None = None  # rows a block (None: from the measured time per row); items a model call
     preprocess: str | None = None
     postprocess: str | None = None
     resume: bool = False
@@ -87,41 +94,73 @@ class JobOutcome:
     notes: list[str] = field(default_factory=list)
 
 
-# -- step 3: results in input order -----------------------------------------------------------------
+# -- step 3: results, as blocks of rows or one item at a time -------------------------------------
 
 ITEM_ERRORS = (E.InputContractError, E.SessionRunError, E.PoisonTask, E.TaskTimeout, E.ShmCapacityError,
                RowError, OSError, ValueError)
+MAX_SHARD_BYTES = 64 * 1024 * 1024  # output bytes a shard holds at most (bounds memory)
 
 
 class Collector:
-    """Buffers settled items in input order; commits them to the Store as one shard."""
+    """Buffers settled items (in any order: every row keeps its index); commits them to the
+    Store as one shard. A block of rows is kept as the block's arrays, not row by row."""
 
     def __init__(self, store: Store, strip_batch: bool, schema: Schema | None) -> None:
         self.store, self.strip_batch, self.schema = store, strip_batch, schema
-        self.indices: list[int] = []
-        self.rows: list[dict[str, Any]] = []
+        self.parts: list[tuple[Array, dict[str, Array]]] = []  # (item indices, outputs with rows on axis 0)
         self.failures: list[Failure] = []
         self.latencies: list[float] = []
         self.done = self.failed = 0
+        self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
 
     def add(self, index: int, outcome: Result | BaseException) -> None:
+        """One item's outcome (a task of one item, or an item of a chunk)."""
         if isinstance(outcome, Result):
             try:
                 rows = to_rows(outcome.outputs, strip_batch=self.strip_batch)
-                if self.schema is None:
-                    self.schema = schema_of(rows)
-                check_rows(rows, self.schema)
+                self._check(rows)
             except RowError as exc:
                 return self._fail(index, exc, outcome.attempts)
-            self.indices.append(index)
-            self.rows.append(rows)
+            self._keep(np.array([index], dtype=np.int64), {k: v[None] for k, v in rows.items()})
             self.latencies.append(outcome.timings.total)
-            self.done += 1
         elif isinstance(outcome, ITEM_ERRORS):
             self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1)
         else:  # the pool itself broke (or a bug): not an item's fault
             raise outcome
+
+    def add_block(self, piece: Piece, latency: float) -> None:
+        """Rows [lo, hi) of a block: its outputs, or one failure per row (a row cut alone)."""
+        if piece.error is not None:
+            if not isinstance(piece.error, ITEM_ERRORS):
+                raise piece.error
+            for i in range(piece.lo, piece.hi):
+                self._fail(i, piece.error, len(getattr(piece.error, "crashes", ())) or 1)
+            return
+        assert piece.outputs is not None
+        try:
+            cols = {str(k): np.asarray(v) for k, v in piece.outputs.items()}
+            self._check({k: v[0] for k, v in cols.items()} if piece.hi > piece.lo else {})
+        except RowError as exc:
+            for i in range(piece.lo, piece.hi):
+                self._fail(i, exc, 1)
+            return
+        self._keep(np.arange(piece.lo, piece.hi, dtype=np.int64), cols)
+        self.latencies.append(latency)
+
+    def _check(self, rows: dict[str, Array]) -> None:
+        for name, a in rows.items():
+            if a.dtype.hasobject or a.dtype.kind in "USV":
+                raise RowError(f"output {name!r} is not a numeric array (dtype {a.dtype})")
+        if self.schema is None:
+            self.schema = schema_of(rows)
+        check_rows(rows, self.schema)
+
+    def _keep(self, indices: Array, cols: dict[str, Array]) -> None:
+        self.parts.append((indices, cols))
+        self.done += len(indices)
+        self.pending_rows += len(indices)
+        self.pending_bytes += sum(v.nbytes for v in cols.values())
 
     def _fail(self, index: int, exc: BaseException, attempts: int) -> None:
         message = (str(exc).strip().splitlines() or [""])[0]
@@ -129,13 +168,20 @@ class Collector:
         self.failed += 1
 
     def due(self, every: float) -> bool:
-        pending = len(self.indices) + len(self.failures)
-        return pending > 0 and (time.monotonic() - self.last_commit >= every or pending >= MAX_SHARD_ITEMS)
+        pending = self.pending_rows + len(self.failures)
+        if not pending:
+            return False
+        full = len(self.parts) + len(self.failures) >= MAX_SHARD_ITEMS or self.pending_bytes >= MAX_SHARD_BYTES
+        return full or time.monotonic() - self.last_commit >= every
 
     def commit(self) -> None:  # step 4
-        if self.indices or self.failures:
-            self.store.commit(self.indices, self.rows, self.failures)
-        self.indices, self.rows, self.failures = [], [], []
+        if self.parts or self.failures:
+            indices = np.concatenate([i for i, _ in self.parts]) if self.parts else np.zeros(0, np.int64)
+            cols = ({k: np.concatenate([c[k] for _, c in self.parts]) for k in self.parts[0][1]}
+                    if len(self.parts) > 1 else self.parts[0][1] if self.parts else {})
+            self.store.commit(indices, cols, self.failures)
+        self.parts, self.failures = [], []
+        self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
 
 
@@ -192,17 +238,37 @@ class Progress:
             self.line(settled, failed, restarts)
 
 
+class StopNow(Exception):
+    """A second Ctrl-C/SIGTERM while the loop waits for work: stop at once."""
+
+
 class Interrupts:
-    """SIGINT/SIGTERM set flags only (no I/O in a handler); the loop reads them."""
+    """SIGINT/SIGTERM set flags (no I/O in a handler); the loop reads them. A second one
+    raises StopNow out of a wait, but only while `armed` (waiting for the engine, never in
+    the middle of a commit)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.signum = 0
+        self.armed = False
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         self.signum = self.signum or signum
+        if self.count >= 2 and self.armed:
+            self.armed = False
+            raise StopNow
+
+    def wait(self, it: Iterator[Any]) -> Any:
+        """next(it), interruptible by a second signal; None at its end."""
+        if self.count >= 2:
+            raise StopNow
+        self.armed = True
+        try:
+            return next(it, None)
+        finally:
+            self.armed = False
 
     def __enter__(self) -> Interrupts:
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -231,20 +297,32 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
 
 def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, ranks: dict[str, int],
             stream: TextIO | None) -> JobOutcome:
-    settled_before = store.settled()
-    todo = [i for i in range(source.count) if i not in settled_before]
-    progress = Progress(source.count, len(settled_before), spec.log_every, stream)
+    durable = store.settled_ranges()
+    settled_before = sum(b - a for a, b in durable)
+    progress = Progress(source.count, settled_before, spec.log_every, stream)
     if store.invalid:
         progress.note(f"{store.invalid} journal line(s) failed validation (torn or missing shard); their items run again")
     if settled_before:
-        progress.note(f"resuming: {len(settled_before)} of {source.count} items already durable in {spec.parts}")
+        progress.note(f"resuming: {settled_before} of {source.count} items already durable in {spec.parts}")
     collector = Collector(store, spec.model is not None and spec.postprocess is None, store.schema())
     run = _Run(spec, progress, collector, t0)
+    todo = _gaps(durable, source.count)
     if todo:
         run.execute(source, todo, ranks)
-    settled = len(store.settled())
-    progress.close(settled, len(store.failures()), run.stats.restarts if run.stats else 0)
-    return run.finish(store, source.count, len(settled_before))
+    progress.close(store.settled_count(), len(store.failures()), run.stats.restarts if run.stats else 0)
+    return run.finish(store, source.count, settled_before)
+
+
+def _gaps(durable: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """The runs of [0, count) not in `durable` (sorted, disjoint)."""
+    out, at = [], 0
+    for a, b in durable:
+        if a > at:
+            out.append((at, min(a, count)))
+        at = max(at, b)
+    if at < count:
+        out.append((at, count))
+    return [(a, b) for a, b in out if b > a]
 
 
 def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
@@ -269,9 +347,13 @@ class _Run:
         self.describe: Any = None
         self.peak_workers_rss = 0
         self.workers = 0
+        self.mode = ""
+        self.draining = False
+        self.last_stats = 0.0
+        self.restarts = 0
 
-    def execute(self, source: Source, todo: list[int], ranks: dict[str, int]) -> None:
-        eng = self._start()
+    def execute(self, source: Source, todo: list[tuple[int, int]], ranks: dict[str, int]) -> None:
+        eng = self._start(blocks_possible=source.rows is not None)
         self.describe = eng.describe()
         ranks.update({s.name: len(s.shape) for s in self.describe.inputs})
         if len(self.describe.inputs) == 1:
@@ -279,9 +361,19 @@ class _Run:
         self.startup_s = time.monotonic() - self.t0
         t1 = self.collector.last_commit = time.monotonic()
         self.progress.begin()
+        by_blocks = self._by_blocks(source)
+        self.mode = "blocks" if by_blocks else "chunks"
         try:
             with Interrupts() as intr:
-                self._loop(eng, source, iter(todo), intr)
+                try:
+                    if by_blocks:
+                        self._loop_blocks(eng, source, todo, intr)
+                    else:
+                        self._loop_items(eng, source, todo, intr)
+                except StopNow:
+                    pass
+                if intr.count >= 2:
+                    self.progress.note("stopping now: cancelling what is in flight")
                 self.interrupted = intr.signum if intr.count else 0
         finally:
             self.processing_s = time.monotonic() - t1
@@ -289,61 +381,102 @@ class _Run:
             self.stats = eng.stats()
             eng.close(cancel_pending=True, timeout=10)
 
-    def _start(self) -> Any:
+    def _by_blocks(self, source: Source) -> bool:
+        """Rows of arrays, a model that takes any number of rows, nothing per item: blocks."""
+        s = self.spec
+        return (source.rows is not None and s.model is not None and s.preprocess is None
+                and s.postprocess is None and bool(self.describe and self.describe.batchable))
+
+    def _start(self, *, blocks_possible: bool) -> Any:
         from slabpool.engine.api import Engine
         from slabpool.engine.config import usable_cpus
 
         s = self.spec
         self.workers = s.workers or usable_cpus()
-        window = self.workers * max(2 * s.batch_size, 4)
+        # a block is one model call of --batch-size rows; items (chunks) stack up to --batch-size
+        stack = 1 if blocks_possible or s.batch_size is None else s.batch_size
         try:
             return Engine(
                 str(s.model) if s.model else None, workers=self.workers, start_method=s.start_method,
                 preprocess=s.preprocess, postprocess=s.postprocess, max_attempts=s.max_attempts,
-                task_timeout=s.task_timeout, max_batch_size=s.batch_size, queue_capacity=window,
+                task_timeout=s.task_timeout, max_batch_size=stack,
             )
         except (E.EngineError, OSError, ValueError, TypeError, ImportError, AttributeError) as exc:
             what = "the model failed to load" if isinstance(exc, E.SessionInitError) else "cannot start"
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise JobError(f"{what}: {first}") from exc
 
-    def _loop(self, eng: Any, source: Source, todo: Iterator[int], intr: Interrupts) -> None:
-        window = eng.config.queue_capacity
-        inflight: deque[tuple[int, Future[Result]]] = deque()
-        col, spec = self.collector, self.spec
-        draining = False
-        last_stats = 0.0
-        restarts = 0
-        while True:
-            if intr.count and not draining:
-                draining = True
-                self.progress.note("interrupted: finishing the items in flight (press Ctrl-C again to stop now)")
-            if intr.count >= 2:
-                self._take_done(inflight)
-                self.progress.note("stopping now: cancelling what is in flight")
-                return
-            while not draining and len(inflight) < window and (i := next(todo, None)) is not None:
-                inflight.append((i, _submit(eng, source, i)))  # step 2
-            if not inflight:
-                break
-            wait([inflight[0][1]], timeout=0.25)
-            self._take_done(inflight)  # step 3
-            if col.due(spec.durable_every):
-                col.commit()  # step 4
-            if time.monotonic() - last_stats >= 0.5:
-                last_stats = time.monotonic()
-                restarts = self._sample(eng)
-            settled = self.progress.initial + col.done + col.failed
-            self.progress.update(settled, col.failed, restarts)
+    def _loop_blocks(self, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+        """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file."""
+        assert source.rows is not None
+        read = source.rows
+        window = 2 * self.workers
+        first = read(todo[0][0], todo[0][0])
+        arrays = first if isinstance(first, dict) else {"": first}
+        sizer = BlockSizer(self.spec.batch_size or "auto", row_bytes(arrays), eng.config.shm_capacity, window)
 
-    def _take_done(self, inflight: deque[tuple[int, Future[Result]]]) -> None:
-        while inflight and inflight[0][1].done():
-            index, fut = inflight.popleft()
-            try:
-                outcome: Result | BaseException = fut.result()
-            except BaseException as exc:  # noqa: BLE001 - an outcome, sorted by Collector.add
-                outcome = exc
-            self.collector.add(index, outcome)
+        def submit(lo: int, hi: int) -> Future[Result]:
+            return eng._submit_rows(read(lo, hi), None, None)  # type: ignore[no-any-return]
+
+        started = time.monotonic()
+        pieces = run_blocks(submit, todo, sizer, window, stop=lambda: intr.count > 0)
+        total = sum(b - a for a, b in todo)
+        eng._tally(accepted=total)  # the rows handed in; their blocks are tasks of no items
+        settled = 0
+        try:
+            while (piece := intr.wait(pieces)) is not None:
+                now = time.monotonic()
+                self.collector.add_block(piece, now - started)
+                started = now
+                rows = piece.hi - piece.lo
+                settled += rows
+                eng._tally(completed=rows) if piece.error is None else eng._tally(failed=rows)
+                self._tick(eng, intr)
+        finally:
+            pieces.close()
+            eng._tally(cancelled=total - settled)
+
+    def _loop_items(self, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+        """Steps 2-4 item by item, as Engine.map sends them: tiny items many to a task (a
+        chunk), each item with its own outcome."""
+        order: deque[int] = deque()
+        col = self.collector
+
+        def items() -> Iterator[Any]:
+            for a, b in todo:
+                for i in range(a, b):
+                    if intr.count:
+                        return
+                    try:
+                        item = source.item(i)
+                        if self.spec.preprocess is None:
+                            eng._admit(item)  # refused at the door: this item alone fails
+                    except ITEM_ERRORS as exc:
+                        col.add(i, exc)
+                        continue
+                    order.append(i)
+                    yield item
+
+        outcomes = eng.map(items(), return_exceptions=True)
+        try:
+            while (outcome := intr.wait(outcomes)) is not None:
+                col.add(order.popleft(), outcome)
+                self._tick(eng, intr)
+        finally:
+            outcomes.close()
+
+    def _tick(self, eng: Any, intr: Interrupts) -> None:
+        """Between outcomes: commit when due (step 4), the progress display, the first signal's note."""
+        col = self.collector
+        if intr.count and not self.draining:
+            self.draining = True
+            self.progress.note("interrupted: finishing the items in flight (press Ctrl-C again to stop now)")
+        if col.due(self.spec.durable_every):
+            col.commit()
+        if time.monotonic() - self.last_stats >= 0.5:
+            self.last_stats = time.monotonic()
+            self.restarts = self._sample(eng)
+        self.progress.update(self.progress.initial + col.done + col.failed, col.failed, self.restarts)
 
     def _sample(self, eng: Any) -> int:
         st = eng.stats()
@@ -356,7 +489,7 @@ class _Run:
         failures = store.failures()
         text = "".join(json.dumps(f.as_json()) + "\n" for f in failures)
         write_atomic(spec.parts / "failures.jsonl", lambda f: f.write(text.encode()))
-        complete = len(store.settled()) >= count
+        complete = store.settled_count() >= count
         if complete and spec.single_file:
             arrays = assemble(store, count, col.schema)
             if arrays is None:
@@ -386,7 +519,7 @@ class _Run:
             "items": count, "done": count - failed if complete else None, "failed": failed,
             "skipped_durable": skipped, "computed_this_run": computed, "complete": complete,
             "exit_status": status, "interrupted": signal.Signals(self.interrupted).name if self.interrupted else None,
-            "workers": self.workers, "batch_size": spec.batch_size,
+            "workers": self.workers, "batch_size": spec.batch_size or "auto", "dispatch": self.mode or None,
             "elapsed_s": round(time.monotonic() - self.t0, 3), "startup_s": round(self.startup_s, 3),
             "throughput_items_per_s": round(computed / self.processing_s, 2) if self.processing_s else 0.0,
             "latency_s": {f"p{q}": float(np.percentile(lat, q)) for q in (50, 95, 99)},
@@ -399,16 +532,6 @@ class _Run:
             "peak_rss_bytes": {"supervisor": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                "workers_total": self.peak_workers_rss},
         }
-
-
-def _submit(eng: Any, source: Source, index: int) -> Future[Result]:
-    """Submit item `index` as one task; an item that cannot be read or admitted fails alone."""
-    try:
-        return eng.submit(source.item(index))  # type: ignore[no-any-return]
-    except ITEM_ERRORS as exc:
-        fut: Future[Result] = Future()
-        fut.set_exception(exc)
-        return fut
 
 
 def summary(outcome: JobOutcome) -> list[str]:

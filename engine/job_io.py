@@ -48,13 +48,19 @@ class RowError(ValueError):
 
 
 class Source:
-    """Items of a job by index. `item(i)` is what `Engine.submit` gets for item i."""
+    """Items of a job by index. `item(i)` is what `Engine.submit` gets for item i.
 
-    def __init__(self, path: Path, count: int, get: Callable[[int], Any], fingerprint: dict[str, Any]):
+    A source whose items are rows on axis 0 of arrays (.npy, .npz, without a preprocess) also
+    reads `rows(lo, hi)`: rows [lo, hi) as one feed (views of the file where it is memory-
+    mapped); the job then sends them as blocks (engine/blocks.py), not item by item."""
+
+    def __init__(self, path: Path, count: int, get: Callable[[int], Any], fingerprint: dict[str, Any],
+                 rows: Callable[[int, int], Any] | None = None):
         self.path = path
         self.count = count
         self._get = get
         self.fingerprint = fingerprint
+        self.rows = rows
 
     def item(self, index: int) -> Any:
         return self._get(index)
@@ -89,7 +95,10 @@ def _npy_source(path: Path, preprocess: bool) -> Source:
     def get(i: int) -> Any:
         return np.array(arr[i]) if preprocess else np.ascontiguousarray(arr[i : i + 1])
 
-    return Source(path, int(arr.shape[0]), get, _file_fp(path))
+    def rows(lo: int, hi: int) -> Any:
+        return arr[lo:hi]  # a view of the memory-mapped file: one copy, into shared memory
+
+    return Source(path, int(arr.shape[0]), get, _file_fp(path), None if preprocess else rows)
 
 
 def _npz_source(path: Path, preprocess: bool) -> Source:
@@ -106,7 +115,10 @@ def _npz_source(path: Path, preprocess: bool) -> Source:
             return {k: np.array(a[i]) for k, a in arrays.items()}
         return {k: np.ascontiguousarray(a[i : i + 1]) for k, a in arrays.items()}
 
-    return Source(path, next(iter(counts.values())), get, _file_fp(path))
+    def rows(lo: int, hi: int) -> Any:
+        return {k: a[lo:hi] for k, a in arrays.items()}
+
+    return Source(path, next(iter(counts.values())), get, _file_fp(path), None if preprocess else rows)
 
 
 def _dir_source(path: Path, preprocess: bool, ranks: dict[str, int]) -> Source:
@@ -257,13 +269,13 @@ class Entry:
 
 def ranges_of(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
     """Sorted indices as half-open runs: [0, 1, 2, 5] -> ((0, 3), (5, 6))."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return tuple((a, b) for a, b in runs)
+    idx = np.unique(np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64))
+    if not idx.size:
+        return ()
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1  # where a run ends and the next begins
+    starts = idx[np.r_[0, breaks]]
+    ends = idx[np.r_[breaks - 1, idx.size - 1]] + 1
+    return tuple(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 @dataclass
@@ -361,7 +373,20 @@ class Store:
 
     def settled(self) -> set[int]:
         """Indices whose outcome (a row, or a failure) is durable."""
-        return {i for e in self.entries for a, b in e.ranges for i in range(a, b)}
+        return {i for a, b in self.settled_ranges() for i in range(a, b)}
+
+    def settled_ranges(self) -> list[tuple[int, int]]:
+        """The durable indices as sorted, disjoint half-open runs (no set of every index)."""
+        merged: list[list[int]] = []
+        for a, b in sorted(r for e in self.entries for r in e.ranges):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return [(a, b) for a, b in merged]
+
+    def settled_count(self) -> int:
+        return sum(b - a for a, b in self.settled_ranges())
 
     def failures(self) -> list[Failure]:
         latest = {f.index: f for e in self.entries for f in e.failures}
@@ -374,17 +399,18 @@ class Store:
                     return {k: (z[k].dtype.str, tuple(z[k].shape[1:])) for k in z.files if k != INDEX_KEY}
         return None
 
-    def commit(self, indices: list[int], rows: list[dict[str, Array]], failures: list[Failure]) -> Entry:
-        """Make one shard durable, then journal it. `indices` are the rows' item indices."""
+    def commit(self, indices: Array, columns: dict[str, Array], failures: list[Failure]) -> Entry:
+        """Make one shard durable, then journal it. `columns`: every output, row k of each
+        belonging to item `indices[k]` (int64); a shard of no rows settles failures only."""
         name, size, dig = None, 0, ""
-        if rows:
-            name = f"shard-{indices[0]:09d}-{len(indices):06d}.npz"
-            arrays = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-            arrays[INDEX_KEY] = np.asarray(indices, dtype=np.int64)
+        if len(indices):
+            name = f"shard-{int(indices[0]):09d}-{len(indices):06d}.npz"
+            arrays = {**columns, INDEX_KEY: np.asarray(indices, dtype=np.int64)}
             path = self.shards / name
             write_atomic(path, lambda f: _savez(f, **arrays))
             size, dig = path.stat().st_size, digest(path)
-        entry = Entry(name, size, dig, ranges_of([*indices, *(f.index for f in failures)]), tuple(failures))
+        settled = np.concatenate([np.asarray(indices, np.int64), np.asarray([f.index for f in failures], np.int64)])
+        entry = Entry(name, size, dig, ranges_of(settled), tuple(failures))
         with open(self.journal, "a") as j:
             j.write(json.dumps(entry.as_json()) + "\n")
             j.flush()

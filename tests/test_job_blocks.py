@@ -1,0 +1,142 @@
+"""`slabpool run` by row blocks (.npy/.npz) and by item chunks (per-item sources), end to end.
+
+The real CLI in a subprocess: rows of a memory-mapped .npy go as blocks of --batch-size rows
+(byte-identical to the same blocks run one after another in one session), the journal commits
+blocks, not rows; a row that fails (a runtime error) fails alone, listed with its own error;
+a job SIGKILLed mid-run resumes without computing a durable row again and ends byte-identical;
+tiny JSONL items go many to a task, a poison item inside a chunk failing alone.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import psutil
+import pytest
+
+from slabpool.engine.job_io import read_output
+from tests.reference import ort_run
+from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, jsonl, slabpool, wait_until
+
+RNG = np.random.default_rng(121)
+
+
+def serial_blocks(model: Path, feeds: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+    n = next(iter(feeds.values())).shape[0]
+    parts = [ort_run(model, {k: v[lo : lo + size] for k, v in feeds.items()}) for lo in range(0, n, size)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def journal(parts: Path) -> list[dict[str, object]]:
+    return [json.loads(ln) for ln in (parts / "journal.jsonl").read_text().splitlines()]
+
+
+def test_npy_goes_by_blocks_byte_identical(tmp_path: Path, models: SimpleNamespace) -> None:
+    x = RNG.standard_normal((20_000, 16)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npz"
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", 1000)
+    assert p.returncode == 0, p.stderr
+    want = serial_blocks(models.mlp, {"x": x}, 1000)
+    with np.load(out) as z:
+        for k, v in want.items():
+            assert z[k].tobytes() == v.tobytes(), k
+    parts = Path(f"{out}.parts")
+    report = json.loads((parts / "report.json").read_text())
+    assert report["dispatch"] == "blocks" and report["batch_size"] == 1000
+    assert sum(s["tasks_done"] for s in report["slots"]) == 20  # one task per block of 1000 rows
+    entries = journal(parts)
+    assert len(entries) < 20  # the journal commits blocks (a shard holds whole blocks), not rows
+    for e in entries:
+        for a, b in e["ranges"]:  # type: ignore[union-attr]
+            assert a % 1000 == 0 and (b % 1000 == 0 or b == 20_000)
+
+
+def test_auto_block_size_and_a_directory_output(tmp_path: Path, models: SimpleNamespace) -> None:
+    x = RNG.standard_normal((30_000, 16)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "res", "--workers", 2)
+    assert p.returncode == 0, p.stderr
+    got = read_output(tmp_path / "res")
+    for k, v in ort_run(models.mlp, {"x": x}).items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+    report = json.loads((tmp_path / "res" / "report.json").read_text())
+    tasks = sum(s["tasks_done"] for s in report["slots"])
+    assert report["batch_size"] == "auto" and 2 <= tasks < 30_000 // 256  # a probe, then grown blocks
+
+
+def test_failing_rows_of_an_npz_fail_alone(tmp_path: Path, models: SimpleNamespace) -> None:
+    n = 3000
+    idx = RNG.integers(-10, 10, n).astype(np.int64)
+    bad = [17, 1500, 2999]
+    idx[bad] = 77  # outside the table: a runtime error for these rows only
+    x = RNG.standard_normal((n, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", idx=idx, x=x)
+    out = tmp_path / "out.npy"
+    p = slabpool("run", models.poison, tmp_path / "in.npz", "-o", out, "--workers", 2, "--batch-size", 256)
+    assert p.returncode == 2, p.stderr
+    failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
+    assert [(f["index"], f["error"]) for f in failures] == [(i, "SessionRunError") for i in bad]
+    y = np.load(out)
+    assert np.isnan(y[bad]).all()
+    good = np.setdiff1d(np.arange(n), bad)
+    np.testing.assert_allclose(y[good], x[good] + (np.arange(40, dtype=np.float32) / 8).reshape(10, 4)[idx[good]],
+                               rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_resumes_by_blocks(tmp_path: Path, models: SimpleNamespace) -> None:
+    n, size = 4000, 40
+    x = RNG.standard_normal((n, 512)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    parts = Path(f"{out}.parts")
+    args = [*CLI, "run", models.slow, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", size,
+            "--durable-every", 0.1]
+    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(durable_indexes(parts)) >= 2 * size, "some blocks became durable")
+        assert cli.poll() is None, "the job ended before it could be killed"
+        workers = psutil.Process(cli.pid).children(recursive=True)
+        cli.send_signal(signal.SIGKILL)
+        cli.communicate(timeout=DEADLINE)
+    finally:
+        cli.kill()
+    psutil.wait_procs(workers, timeout=20)
+    durable = durable_indexes(parts)
+    assert 0 < len(durable) < n
+    p = slabpool(*args[len(CLI):], "--resume")
+    assert p.returncode == 0, p.stderr
+    report = json.loads((parts / "report.json").read_text())
+    assert report["skipped_durable"] == len(durable) and report["computed_this_run"] == n - len(durable)
+    want = serial_blocks(models.slow, {"x": x}, size)  # blocks stay aligned across the resume
+    assert np.load(out).tobytes() == next(iter(want.values())).tobytes()
+
+
+def test_tiny_jsonl_items_go_in_chunks_a_poison_item_fails_alone(tmp_path: Path, models: SimpleNamespace) -> None:
+    n = 600
+    x = RNG.standard_normal((n, 16)).astype(np.float32)
+    items = [{"i": i, "x": r.tolist()} for i, r in enumerate(x)]
+    items[450]["poison"] = 1
+    items[100]["bad"] = 1
+    out = tmp_path / "out.npy"
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2,
+                 "--preprocess", "tests.cli_hooks:feeds", "--max-attempts", 2)
+    assert p.returncode == 2, p.stderr
+    failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
+    assert [(f["index"], f["error"]) for f in failures] == [(100, "SessionRunError"), (450, "PoisonTask")]
+    report = json.loads(Path(f"{out}.parts/report.json").read_text())
+    assert report["dispatch"] == "chunks"
+    # many items to a task (the poison item's chunk ran again item by item: up to MAX_CHUNK tasks)
+    assert sum(s["tasks_done"] for s in report["slots"]) < n // 2
+    y = np.load(out)
+    good = [i for i in range(n) if i not in (100, 450)]
+    want = ort_run(models.mlp, {"x": x[good]})  # item by item in the workers: compare loosely
+    np.testing.assert_allclose(y[good], want["probs"], rtol=1e-5, atol=1e-6)
+    assert np.isnan(y[[100, 450]]).all()
