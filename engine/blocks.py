@@ -33,7 +33,8 @@ from slabpool.engine.task import Result
 from slabpool.workers import errors as E
 
 Array = npt.NDArray[Any]
-BLOCK_TARGET_S = 0.03  # run time per block aimed at: tens of ms, the per-task cost ~1% of it
+BLOCK_TARGET_S = 0.01  # run time per block aimed at: ~10 ms, the per-task cost ~1-2% of it (larger
+# blocks ran slower per row for an MLP 64->1024->10: its activations leave the caches)
 PROBE_ROWS = 256  # the first block when the size is "auto" (the run time per row is not known)
 MAX_BLOCK_ROWS = 1 << 20
 

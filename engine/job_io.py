@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,12 +226,21 @@ def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()))
 
 
-def digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
+def digest(path: Path, like: str = "crc32:") -> str:
+    """A check of a shard's bytes against torn writes: CRC-32 (5x faster than blake2b here,
+    which a shard of a million rows felt); journals of earlier versions hold blake2b digests,
+    still read (`like` says which kind to compute)."""
+    if not like.startswith("crc32:"):
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    crc = 0
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        for block in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return f"crc32:{crc:08x}"
 
 
 # -- the store: manifest, journal, shards ---------------------------------------------------------
@@ -269,10 +279,12 @@ class Entry:
 
 def ranges_of(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
     """Sorted indices as half-open runs: [0, 1, 2, 5] -> ((0, 3), (5, 6))."""
-    idx = np.unique(np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64))
+    idx = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64)
     if not idx.size:
         return ()
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1  # where a run ends and the next begins
+    if (np.diff(idx) < 0).any():  # blocks come in order: sorting is rarely needed
+        idx = np.sort(idx)
+    breaks = np.flatnonzero(np.diff(idx) > 1) + 1  # where a run ends and the next begins (a repeat continues it)
     starts = idx[np.r_[0, breaks]]
     ends = idx[np.r_[breaks - 1, idx.size - 1]] + 1
     return tuple(zip(starts.tolist(), ends.tolist(), strict=True))
@@ -367,7 +379,7 @@ class Store:
         assert entry.shard is not None
         p = self.shards / entry.shard
         try:
-            return p.stat().st_size == entry.size and digest(p) == entry.digest
+            return p.stat().st_size == entry.size and digest(p, entry.digest) == entry.digest
         except OSError:
             return False
 
