@@ -106,11 +106,11 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
             self.timings = type("T", (), {"run": run})()
             self.outputs = {"y": np.zeros((rows, 1), np.float32)}
 
-    s.observe(R(0.001, 1000), 1000)  # 1 us a row: 30 ms is 30k rows, but 128 KiB / 64 B = 2048
+    s.observe(R(0.001, 1000), 1000)  # 1 us a row: 10 ms is 10k rows, but 128 KiB / 64 B = 2048
     assert not s.probing and s.next() == 2048
     s2 = BlockSizer("auto", in_row_bytes=4, arena_bytes=1 << 30, in_flight=4)
     s2.observe(R(0.1, 100), 100)  # 1 ms a row
-    assert s2.next() == 30
+    assert s2.next() == 10
     assert BlockSizer(17, 4, 1 << 20, 4).next() == 17
     for bad in (0, -1, 2.5, "big", True):
         with pytest.raises(ValueError, match="batch_size"):

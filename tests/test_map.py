@@ -119,3 +119,43 @@ def test_chunks_are_off_where_they_cannot_apply(models) -> None:  # type: ignore
     with pytest.raises(ValueError, match="chunk"):
         with Engine(models.mlp, workers=1) as eng:
             list(eng.map(items, chunk=0))
+
+
+def test_same_shape_items_of_a_chunk_travel_stacked() -> None:
+    """One array per input name for the whole chunk (one copy), split back item by item."""
+    from slabpool.workers import packing
+    from slabpool.workers.protocol import Chunk, Rows
+
+    items = Chunk({"a": RNG.standard_normal((n, 3)).astype(np.float32), "b": np.arange(n, dtype=np.int64)}
+                  for n in (1, 2, 1, 4))
+    skeleton, arrays = packing.split(items)
+    assert type(skeleton) is Rows and skeleton.counts == (1, 2, 1, 4) and len(arrays) == 2
+    buf = np.zeros(1 << 12, np.uint8)
+
+    def at(off: int, dt: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return buf[off : off + dt.itemsize * int(np.prod(shape))].view(dt).reshape(shape)
+
+    packed = packing.write(skeleton, arrays, 0, at)
+    assert len(packed.arrays) == 2  # not one per item
+    for copy in (False, True):
+        back = packing.unpack(packed, at, copy=copy)
+        assert type(back) is Chunk and len(back) == 4
+        for got, want in zip(back, items, strict=True):
+            assert set(got) == {"a", "b"}
+            for k in want:
+                assert got[k].tobytes() == want[k].tobytes() and got[k].shape == want[k].shape
+    for odd in ([{"a": np.ones((1, 3), np.float32)}, {"a": np.ones((1, 4), np.float32)}],  # trailing shape
+                [{"a": np.ones((1, 3), np.float32)}, {"a": np.ones((1, 3), np.float64)}],  # dtype
+                [{"a": np.ones((1, 3), np.float32)}, {"b": np.ones((1, 3), np.float32)}],  # names
+                [{"a": np.ones((2, 3), np.float32), "b": np.ones(1, np.int64)}],  # rows differ in an item
+                [{"a": np.float32(1)}]):  # not an array with rows
+        assert type(packing.split(Chunk(odd))[0]) is Chunk  # each item keeps its own arrays
+
+
+def test_two_input_items_of_varied_rows_in_chunks(models) -> None:  # type: ignore[no-untyped-def]
+    items = [{"feats": RNG.standard_normal((int(n), 4)).astype(np.float32), "ids": np.arange(int(n), dtype=np.int64)}
+             for n in RNG.integers(1, 5, 300)]
+    with Engine(models.multi_io, workers=2) as eng:
+        results = list(eng.map(items, chunk=32))
+    for it, res in zip(items, results, strict=True):
+        _close(res.outputs, ort_run(models.multi_io, it), exact=True)

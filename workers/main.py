@@ -45,6 +45,7 @@ from slabpool.workers.protocol import (
     OutputGrant,
     Ready,
     RemoteError,
+    Rows,
     RunBatch,
     Shutdown,
     TaskSpec,
@@ -156,7 +157,7 @@ class Worker:
     def run_batch(self, msg: RunBatch) -> BatchDone:
         t0 = time.perf_counter()
         results: dict[int, Any] = {}  # task id -> outputs, or RemoteError
-        tasks = [t for t in msg.tasks if type(t.item.skeleton) is not Chunk]  # chunks: _run_chunk
+        tasks = [t for t in msg.tasks if type(t.item.skeleton) not in (Chunk, Rows)]  # chunks: _run_chunk
         feeds = {t.task_id: self._guarded(t, "preprocess", functools.partial(self._prepare, t)) for t in tasks}
         results.update((i, f) for i, f in feeds.items() if isinstance(f, RemoteError))
         ready = [t for t in tasks if t.task_id not in results]

@@ -17,7 +17,7 @@ import numpy as np
 
 from slabpool.shm.alloc import align_up
 from slabpool.shm.pages import private_copy
-from slabpool.workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, flat_skeleton
+from slabpool.workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, Rows, flat_skeleton
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
@@ -27,6 +27,9 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
         if all(type(a) is np.ndarray and not a.dtype.hasobject for a in flat):
             return flat_skeleton(tuple(obj)), flat
     if type(obj) is Chunk and all(type(d) is dict for d in obj):  # map()'s chunk of flat dicts
+        stacked = _stack(obj)
+        if stacked is not None:
+            return stacked
         arrays: list[np.ndarray] = [a for d in obj for a in d.values()]
         if all(type(a) is np.ndarray and not a.dtype.hasobject for a in arrays):
             holes = iter(range(len(arrays)))
@@ -49,6 +52,41 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
         return node
 
     return walk(obj), arrays
+
+
+class Stack:
+    """Arrays to be concatenated on axis 0 straight into their region (one copy, no
+    intermediate array): what `write` and `layout` read of an array, and the parts."""
+
+    __slots__ = ("dtype", "nbytes", "parts", "shape")
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        self.nbytes = self.dtype.itemsize * math.prod(self.shape)
+
+
+def _stack(chunk: Chunk) -> tuple[Rows, list[Any]] | None:
+    """A chunk of flat dicts of equal names, dtypes and trailing shapes, each item's arrays of
+    equal rows, as one Stack per name; None when they differ (each item keeps its arrays)."""
+    first = chunk[0]
+    names = tuple(first)
+    sig = [(a.dtype, a.shape[1:]) if type(a) is np.ndarray and a.ndim and not a.dtype.hasobject else None
+           for a in first.values()]
+    if not names or None in sig:
+        return None
+    counts = []
+    for d in chunk:
+        if tuple(d) != names:
+            return None
+        rows = -1
+        for a, want in zip(d.values(), sig, strict=True):
+            if type(a) is not np.ndarray or (a.dtype, a.shape[1:]) != want or rows not in (-1, a.shape[0]):
+                return None
+            rows = a.shape[0]
+        counts.append(rows)
+    return Rows(names, tuple(counts)), [Stack([d[n] for d in chunk]) for n in names]
 
 
 def layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
@@ -75,7 +113,7 @@ def region_size(packed: Packed) -> int:
 
 def write(
     skeleton: Any,
-    arrays: list[np.ndarray],
+    arrays: list[Any],  # arrays, or Stacks of arrays (concatenated into place)
     base: int,
     array_at: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray],
     offsets: list[int] | None = None,
@@ -87,7 +125,10 @@ def write(
     refs = []
     for a, off in zip(arrays, offsets, strict=True):
         dst = array_at(base + off, a.dtype, a.shape)
-        np.copyto(dst, a, casting="no")
+        if type(a) is Stack:
+            np.concatenate(a.parts, out=dst, casting="no")
+        else:
+            np.copyto(dst, a, casting="no")
         refs.append(ArrayRef(base + off, a.dtype.str, a.shape))
     return Packed(skeleton, tuple(refs))
 
@@ -102,8 +143,9 @@ def unpack(
     """Rebuild the structure: views into the arena (or private copies when `copy`; for a
     Chunk, one copy of the region its arrays span and views into it: one allocation, not one
     per array)."""
-    if copy and type(packed.skeleton) is Chunk and packed.arrays:
-        return _fill(packed.skeleton, _copy_block(packed.arrays, array_at))
+    if copy and type(packed.skeleton) in (Chunk, Rows) and packed.arrays:
+        block = _copy_block(packed.arrays, array_at)
+        return _rows(packed.skeleton, block) if type(packed.skeleton) is Rows else _fill(packed.skeleton, block)
     arrays = []
     for ref in packed.arrays:
         a = array_at(ref.offset, np.dtype(ref.dtype), ref.shape)
@@ -114,6 +156,8 @@ def unpack(
             a.flags.writeable = False
         arrays.append(a)
     sk = packed.skeleton
+    if type(sk) is Rows:
+        return _rows(sk, arrays)
     if type(sk) is FlatSkeleton:  # the common case: its holes are in order
         return dict(zip(sk, arrays, strict=True))
     if isinstance(sk, dict) and all(type(v) is Hole for v in sk.values()):
@@ -130,6 +174,17 @@ def _copy_block(
     block = private_copy(array_at(low, np.dtype(np.uint8), (max(ends) - low,)))
     return [block[r.offset - low : end - low].view(dt).reshape(r.shape)
             for r, dt, end in zip(refs, dtypes, ends, strict=True)]
+
+
+def _rows(sk: Rows, arrays: list[np.ndarray]) -> Chunk:
+    """A stacked chunk's items again: item k a dict of views of its rows of every array."""
+    out, lo = Chunk(), 0
+    names = sk.names
+    for n in sk.counts:
+        hi = lo + n
+        out.append({name: a[lo:hi] for name, a in zip(names, arrays, strict=True)})
+        lo = hi
+    return out
 
 
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:

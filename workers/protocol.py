@@ -50,6 +50,16 @@ class Chunk(list):  # type: ignore[type-arg]
     RemoteError of that item alone)."""
 
 
+class Rows(NamedTuple):
+    """The skeleton of a chunk whose items are stacked: every item a flat dict of the same
+    names, dtypes and trailing shapes. Array i of the Packed holds input `names[i]` of every
+    item concatenated on axis 0; item k owns the next `counts[k]` rows. One copy each way for
+    the whole chunk, one ArrayRef per name (not per item)."""
+
+    names: tuple[Any, ...]
+    counts: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One model input or output: dtype is a numpy dtype string, None marks a dynamic dim."""
