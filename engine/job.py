@@ -118,8 +118,10 @@ class Collector:
         """One item's outcome (a task of one item, or an item of a chunk)."""
         if isinstance(outcome, Result):
             try:
-                rows = to_rows(outcome.outputs, strip_batch=self.strip_batch)
-                self._check(rows)
+                rows = to_rows(outcome.outputs, strip_batch=self.strip_batch)  # numeric: checked there
+                if self.schema is None:
+                    self.schema = schema_of(rows)
+                check_rows(rows, self.schema)
             except RowError as exc:
                 return self._fail(index, exc, outcome.attempts)
             self._keep(np.array([index], dtype=np.int64), {k: v[None] for k, v in rows.items()})

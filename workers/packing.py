@@ -19,6 +19,8 @@ from slabpool.shm.alloc import align_up
 from slabpool.shm.pages import private_copy
 from slabpool.workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, Rows, flat_skeleton
 
+_SCALARS = frozenset((int, float, str, bool, type(None), bytes))
+
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
     """The skeleton of `obj` and its arrays, in skeleton order."""
@@ -47,6 +49,8 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
         if type(node) is Chunk:
             return Chunk(walk(v) for v in node)
         if isinstance(node, (list, tuple)):
+            if all(type(v) in _SCALARS for v in node):  # a JSON list of numbers: nothing to move
+                return node
             out = [walk(v) for v in node]
             return out if isinstance(node, list) else tuple(out)
         return node
