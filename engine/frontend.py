@@ -14,7 +14,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -271,8 +271,11 @@ class BaseEngine(AsyncEngineMixin):
         return_exceptions: bool = False,
         context: dict[str, Any] | None = None,
         chunk: int | None = None,
+        ordered: bool = True,
     ) -> Iterator[Any]:
         """Results in submission order, at most `window` items in flight (memory stays bounded).
+        `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
+        items of one chunk still come together, in their order).
 
         A failed item raises at its position, unless `return_exceptions` yields the error
         instead. Abandoning the iterator cancels what is still queued.
@@ -311,11 +314,11 @@ class BaseEngine(AsyncEngineMixin):
                 pending.append((fut, group))
                 in_flight += len(group)
                 while pending and in_flight >= limit:
-                    fut, group = pending.popleft()
+                    fut, group = _next_done(pending, ordered)
                     in_flight -= len(group)
                     yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
             while pending:
-                fut, group = pending.popleft()
+                fut, group = _next_done(pending, ordered)
                 yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
         finally:
             for f, group in pending:
@@ -455,6 +458,17 @@ class BaseEngine(AsyncEngineMixin):
 CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%
 MAX_CHUNK = 256  # items per chunk task at most
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # input bytes per chunk task at most (shared memory, queue_bytes)
+
+
+def _next_done(pending: deque[tuple[Future[Result], list[Any]]], ordered: bool) -> tuple[Future[Result], list[Any]]:
+    """The task whose outcomes map() yields next: the oldest, or (unordered) the first finished."""
+    if not ordered:
+        wait([f for f, _ in pending], return_when=FIRST_COMPLETED)
+        for i, entry in enumerate(pending):
+            if entry[0].done():
+                del pending[i]
+                return entry
+    return pending.popleft()
 
 
 class _Pace:

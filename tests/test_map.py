@@ -159,3 +159,19 @@ def test_two_input_items_of_varied_rows_in_chunks(models) -> None:  # type: igno
         results = list(eng.map(items, chunk=32))
     for it, res in zip(items, results, strict=True):
         _close(res.outputs, ort_run(models.multi_io, it), exact=True)
+
+
+def test_unordered_map_yields_what_finishes_first(models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Item 0 waits at a gate that opens only once the five others came back: an ordered map
+    would wait for item 0 first (and never open the gate); an unordered one does not."""
+    gate = tmp_path / "gate"
+    items = [{"x": np.full((1, 16), i, np.float32), **({"gate": str(gate)} if i == 0 else {})} for i in range(6)]
+    seen = []
+    with Engine(models.mlp, workers=2, inflight_per_slot=1, preprocess="tests.hooks:gated") as eng:
+        for res in eng.map(items, chunk=1, ordered=False):
+            seen.append(res.task_id)
+            if len(seen) == 5:
+                gate.touch()
+        want = {r.task_id: r.outputs["probs"] for r in eng.map([{"x": it["x"]} for it in items], chunk=1)}
+    assert sorted(seen[:5]) == [1, 2, 3, 4, 5] and seen[5] == 0
+    assert len(want) == 6
