@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -42,6 +43,9 @@ examples:
   slabpool run model.tflite images/ -o out.npz --workers 8 --batch-size 4
   slabpool run model.onnx paths.txt -o out.npz --preprocess mypkg.io:load_image
   slabpool run paths.jsonl -o out.npz --preprocess mypkg.cpu:features   (no model)
+  slabpool run model.onnx photos/ -o out.parquet --preprocess mypkg.io:load_image --keep path
+  slabpool run model.onnx table.parquet -o scores.parquet --keep id   (columns named after inputs)
+  cat items.jsonl | slabpool run model.onnx - -o out.parquet --preprocess mypkg.io:features
 
 Rerunning the same command resumes: items already durable are skipped. Exit status: 0 all
 done, 2 some items failed (OUTPUT.parts/failures.jsonl), 1 the job could not run, 130/143
@@ -62,6 +66,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _columns(text: str) -> tuple[str, ...]:
+    names = tuple(c.strip() for c in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected COL[,COL...], got {text!r}")
+    return names
 
 
 def _positive_float(text: str) -> float:
@@ -85,17 +96,30 @@ def build_parser() -> Parser:
                          formatter_class=fmt, epilog=RUN_EXAMPLES,
                          description="Map MODEL over the items of INPUT and write OUTPUT; row i is item i.")
     run.add_argument("paths", nargs="*", metavar="MODEL INPUT",
-                     help="MODEL (.onnx/.tflite; omit with --preprocess alone) and INPUT (.npy, .npz, "
-                          "a folder of .npy/.npz, or .txt/.jsonl lines for --preprocess)")
-    run.add_argument("-o", "--output", type=Path, help="a folder, or a single .npy/.npz file")
+                     help="MODEL (.onnx/.tflite; omit with --preprocess alone) and INPUT: .npy, .npz, "
+                          ".parquet, .csv, .arrow/.feather, a folder (of .npy/.npz; of any files with "
+                          "--preprocess), .jsonl/.txt lines for --preprocess, or - for stdin")
+    run.add_argument("-o", "--output", type=Path, help="a folder, or a single .npy/.npz/.parquet file")
     run.add_argument("--workers", type=_positive_int, help="worker processes (default: usable CPUs)")
     run.add_argument("--batch-size", type=_positive_int, default=None,
                      help="rows of .npy/.npz per model call (a block; default: from the measured time per "
-                          "row, ~30 ms a block); for other inputs, items stacked into one model call (default 1)")
+                          "row, ~30 ms a block); for other inputs, items stacked into one model call (default 1); "
+                          "with --batched, items per hook call (default 64)")
     run.add_argument("--preprocess", metavar="MOD:FN", help="runs in the workers: item -> model feeds")
     run.add_argument("--postprocess", metavar="MOD:FN", help="runs in the workers: (outputs, item) -> row(s)")
-    run.add_argument("--resume", action="store_true", help="require a previous run to continue")
-    run.add_argument("--overwrite", action="store_true", help="forget previous results in OUTPUT")
+    run.add_argument("--batched", action="store_true",
+                     help="hooks take a list of items: preprocess(items) -> stacked feeds, "
+                          "postprocess(outputs, items) -> one result per item (or set fn.batched = True)")
+    run.add_argument("--keep", metavar="COL[,COL...]", type=_columns, default=(),
+                     help="copy input columns to a .parquet OUTPUT (a table's columns; path for a folder; "
+                          "line for text/JSONL)")
+    run.add_argument("--max-failures", metavar="N|P%",
+                     help="stop (exit 1) after N failed items or P%% of those settled (default: stop when "
+                          "the first 100 all fail)")
+    run.add_argument("--text", action="store_true", help="INPUT lines are raw strings, not JSON (stdin, .jsonl)")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="require a previous run to continue")
+    again.add_argument("--overwrite", action="store_true", help="forget previous results in OUTPUT")
     run.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver")
     run.add_argument("--max-attempts", type=_positive_int, default=3,
                      help="worker deaths an item may cause before it is listed as failed (default 3)")
@@ -129,6 +153,8 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `slabpool` command; `argv=None` means this process is the command (sys.argv)."""
+    as_command = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -142,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args, argv))
+    except KeyboardInterrupt:  # outside the job's own handlers (start-up): no traceback
+        print(f"slabpool {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `slabpool inspect m.onnx | head -1`: the reader left; say nothing
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -151,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"slabpool {args.command}: error: {first}", file=sys.stderr)
         return 1
+    finally:
+        if as_command:  # the work is over: a late Ctrl-C must not turn the exit into a traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # -- run -------------------------------------------------------------------------------------------
@@ -168,7 +200,7 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
         raise JobError("missing INPUT")
     model, data = (None, paths[0]) if len(paths) == 1 else (paths[0], paths[1])
     if args.output is None:
-        raise JobError("missing -o OUTPUT (a folder, or a .npy/.npz file)")
+        raise JobError("missing -o OUTPUT (a folder, or a .npy/.npz/.parquet file)")
     if model is not None and not model.is_file():
         raise JobError(f"model not found: {model}")
     spec = JobSpec(
@@ -176,18 +208,27 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
         preprocess=args.preprocess, postprocess=args.postprocess, resume=args.resume,
         overwrite=args.overwrite, start_method=args.start_method, max_attempts=args.max_attempts,
         task_timeout=args.task_timeout, durable_every=args.durable_every, log_every=args.log_every,
-        command=shlex.join(["slabpool", *argv]),
+        command=resume_command(argv), keep=args.keep, batched=args.batched, max_failures=args.max_failures,
+        text=args.text,
     )
     return _report_run(spec)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes this run: as typed, less --overwrite (which would wipe the work)."""
+    return shlex.join(["slabpool", *(a for a in argv if a != "--overwrite")])
 
 
 def _report_run(spec: JobSpec) -> int:
     outcome = run_job(spec)
     for line in summary(outcome):
         print(line)
+    if outcome.error is not None:
+        print(f"slabpool run: error: {outcome.error}", file=sys.stderr)
     if outcome.status in (130, 143):
+        same = " (with the same input on stdin)" if spec.stdin else ""
         print(f"slabpool: interrupted; results so far are durable in {spec.parts}. "
-              f"Resume with: {spec.command}", file=sys.stderr)
+              f"Resume with: {spec.command}{same}", file=sys.stderr)
     return outcome.status
 
 

@@ -1,33 +1,42 @@
 """The batch job behind `slabpool run`: read items, map them through an Engine, keep results.
 
-    INPUT --open_source--> todo (runs of items not yet durable) --blocks | chunks--> Engine
+    INPUT --job_sources--> todo (runs of items not yet durable) --blocks | chunks--> Engine
                                                                                       |
     OUTPUT <--assemble-- Store (shards + journal) <--commit, every ~1 s-- Collector (in order)
 
-1 open INPUT and the Store; the journal says which items are settled (a row or a failure)
-2 start the Engine; send the other items, a bounded window in flight:
+1 open INPUT (engine.job_sources) and the Store (engine.job_io); the journal says which items
+  are settled (a row or a failure)
+2 start the Engine; without a preprocess the first item is checked against the model (one
+  error up front, not one per item); send the other items, a bounded window in flight:
   - rows of .npy/.npz (no hooks, a batchable model): blocks of rows, one task each, read
     straight from the memory-mapped file (engine/blocks.py; a failing block is cut down to
     its failing rows);
-  - any other source: Engine.map (tiny items many to a task, each item its own outcome)
-3 take results in input order; a failed item (row) is recorded, not fatal
+  - any other source: Engine.map (tiny items many to a task, each item its own outcome);
+    with batched hooks (engine.job_hooks) an item of the map is a list of --batch-size items
+3 take results in input order; a failed item (row) is recorded, not fatal, unless failures
+  look systematic (--max-failures; by default the first 100 all failed): the job stops, exit 1
 4 commit the buffered blocks and items as a shard (atomic) and journal it, at least every
   `durable_every` s
-5 at the end: failures.jsonl, the single-file OUTPUT (if asked for), report.json, a summary
+5 at the end: failures.jsonl, the single-file OUTPUT (.npy/.npz, or .parquet assembled from
+  Parquet shards by engine.job_parquet), report.json, a summary
 
 Ctrl-C or SIGTERM: stop submitting, finish what is in flight, commit, exit 130/143. A second
-one stops now (close(cancel_pending=True)); what was committed stays committed.
+one stops now (close(cancel_pending=True)); what was committed stays committed. The handlers
+stay in place until the run's last file is written, so a late Ctrl-C is never a traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import json
 import resource
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +45,7 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 
+from slabpool.engine import job_hooks, job_parquet
 from slabpool.engine.blocks import BlockSizer, Piece, row_bytes, run_blocks
 from slabpool.engine.job_io import (
     Array,
@@ -43,21 +53,65 @@ from slabpool.engine.job_io import (
     JobError,
     RowError,
     Schema,
-    Source,
     Store,
     assemble,
     check_rows,
-    open_source,
     save_output,
     schema_of,
     to_rows,
     write_atomic,
     write_json,
 )
+from slabpool.engine.job_sources import Source, open_source
 from slabpool.engine.task import Result
+from slabpool.workers import contract
 from slabpool.workers import errors as E
 
 MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
+BATCHED_DEFAULT = 64  # items per hook call with batched hooks when --batch-size is not given
+SYSTEMATIC = 100  # by default the job stops when this many first settled items all failed
+
+
+@dataclass(frozen=True)
+class FailureLimit:
+    """--max-failures: N failed items, or P% of the settled ones (judged from 100 settled on).
+    Neither: stop when the first 100 settled items (all of them, if fewer) have all failed."""
+
+    count: int | None = None
+    percent: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> FailureLimit:
+        if text is None:
+            return cls()
+        try:
+            if text.endswith("%"):
+                pct = float(text[:-1])
+                if not 0 <= pct <= 100:
+                    raise ValueError
+                return cls(percent=pct)
+            n = int(text)
+            if n < 0:
+                raise ValueError
+            return cls(count=n)
+        except ValueError:
+            raise JobError(f"--max-failures must be a count (N >= 0) or a percentage (P%), got {text!r}") from None
+
+    def exceeded(self, failed: int, settled: int, todo: int) -> str | None:
+        """Why the job must stop, or None."""
+        if self.count is not None:
+            return f"more than --max-failures {self.count} items failed" if failed > self.count else None
+        judged = settled >= min(SYSTEMATIC, todo)
+        if self.percent is not None:
+            over = judged and 100.0 * failed / max(settled, 1) > self.percent
+            return f"{failed} of {settled} settled items failed, over --max-failures {self.percent:g}%" if over else None
+        if judged and settled and failed == settled:
+            return f"the first {settled} items all failed (a systematic error; see --max-failures)"
+        return None
+
+
+class StopFailures(Exception):
+    """Failures crossed the limit: the job stops (exit 1)."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +131,22 @@ class JobSpec:
     durable_every: float = 1.0  # seconds between commits (at most)
     log_every: float = 2.0  # seconds between log lines when stderr is not a terminal
     command: str = "slabpool run ..."  # shown in the "how to resume" line
+    keep: tuple[str, ...] = ()  # input columns copied to a .parquet OUTPUT
+    batched: bool = False  # hooks take a list of items (see engine.job_hooks)
+    max_failures: str | None = None  # "N" or "P%" (FailureLimit)
+    text: bool = False  # INPUT lines are raw strings, not JSON
 
     @property
     def single_file(self) -> bool:
-        return self.output.suffix in (".npy", ".npz")
+        return self.output.suffix in (".npy", ".npz", ".parquet")
+
+    @property
+    def parquet(self) -> bool:
+        return self.output.suffix == ".parquet"
+
+    @property
+    def stdin(self) -> bool:
+        return str(self.input) == "-"
 
     @property
     def parts(self) -> Path:
@@ -89,9 +155,10 @@ class JobSpec:
 
 @dataclass
 class JobOutcome:
-    status: int  # 0 all done, 2 some failed, 130/143 interrupted
+    status: int  # 0 all done, 2 some failed, 1 stopped on systematic failures, 130/143 interrupted
     report: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    error: str | None = None  # status 1: the one line to show
 
 
 # -- step 3: results, as blocks of rows or one item at a time -------------------------------------
@@ -107,24 +174,31 @@ class Collector:
 
     def __init__(self, store: Store, strip_batch: bool, schema: Schema | None) -> None:
         self.store, self.strip_batch, self.schema = store, strip_batch, schema
-        self.parts: list[tuple[Array, dict[str, Array]]] = []  # (item indices, outputs with rows on axis 0)
+        self.parts: list[tuple[Array, dict[str, Any]]] = []  # (item indices, outputs with rows on axis 0)
         self.failures: list[Failure] = []
+        self.kept: dict[int, dict[str, Any]] = {}  # --keep values of the buffered items
+        self.first_failure: Failure | None = None
         self.latencies: list[float] = []
         self.done = self.failed = 0
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
 
-    def add(self, index: int, outcome: Result | BaseException) -> None:
+    def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
         """One item's outcome (a task of one item, or an item of a chunk)."""
+        if self.store.keep_types:
+            self.kept[index] = kept or {}
         if isinstance(outcome, Result):
             try:
-                rows = to_rows(outcome.outputs, strip_batch=self.strip_batch)  # numeric: checked there
+                rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
+                               reserved=tuple(self.store.keep_types))  # numeric unless Parquet: checked there
                 if self.schema is None:
                     self.schema = schema_of(rows)
                 check_rows(rows, self.schema)
             except RowError as exc:
                 return self._fail(index, exc, outcome.attempts)
-            self._keep(np.array([index], dtype=np.int64), {k: v[None] for k, v in rows.items()})
+            cols = ({k: [v] for k, v in rows.items()} if self.store.parquet
+                    else {k: v[None] for k, v in rows.items()})
+            self._keep(np.array([index], dtype=np.int64), cols)
             self.latencies.append(outcome.timings.total)
         elif isinstance(outcome, ITEM_ERRORS):
             self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1)
@@ -158,15 +232,17 @@ class Collector:
             self.schema = schema_of(rows)
         check_rows(rows, self.schema)
 
-    def _keep(self, indices: Array, cols: dict[str, Array]) -> None:
+    def _keep(self, indices: Array, cols: dict[str, Any]) -> None:
         self.parts.append((indices, cols))
         self.done += len(indices)
         self.pending_rows += len(indices)
-        self.pending_bytes += sum(v.nbytes for v in cols.values())
+        self.pending_bytes += sum(getattr(v, "nbytes", 64 * len(v)) for v in cols.values())
 
     def _fail(self, index: int, exc: BaseException, attempts: int) -> None:
         message = (str(exc).strip().splitlines() or [""])[0]
-        self.failures.append(Failure(index, type(exc).__name__, message, attempts))
+        failure = Failure(index, type(exc).__name__, message, attempts)
+        self.failures.append(failure)
+        self.first_failure = self.first_failure or failure
         self.failed += 1
 
     def due(self, every: float) -> bool:
@@ -179,12 +255,19 @@ class Collector:
     def commit(self) -> None:  # step 4
         if self.parts or self.failures:
             indices = np.concatenate([i for i, _ in self.parts]) if self.parts else np.zeros(0, np.int64)
-            cols = ({k: np.concatenate([c[k] for _, c in self.parts]) for k in self.parts[0][1]}
+            cols = ({k: _join([c[k] for _, c in self.parts]) for k in self.parts[0][1]}
                     if len(self.parts) > 1 else self.parts[0][1] if self.parts else {})
-            self.store.commit(indices, cols, self.failures)
-        self.parts, self.failures = [], []
+            self.store.commit(indices, cols, self.failures, kept=self.kept, schema=self.schema)
+        self.parts, self.failures, self.kept = [], [], {}
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
+
+
+def _join(pieces: list[Any]) -> Any:
+    """One column from the pieces of a shard: arrays concatenated; lists (Parquet) joined."""
+    if all(isinstance(p, np.ndarray) for p in pieces):
+        return np.concatenate(pieces)
+    return [row for p in pieces for row in p]
 
 
 # -- progress --------------------------------------------------------------------------------------
@@ -288,16 +371,40 @@ class Interrupts:
 def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
     """Run (or resume) a job. Raises JobError when it cannot run at all."""
     t0 = time.monotonic()
-    ranks: dict[str, int] = {}
-    source = open_source(spec.input, preprocess=spec.preprocess is not None, ranks=ranks)  # step 1
-    store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite)
+    check_paths(spec)
+    limit = FailureLimit.parse(spec.max_failures)
+    if spec.keep and not spec.parquet:
+        raise JobError(f"--keep needs a .parquet OUTPUT (got {spec.output.name}): .npy/.npz hold numbers only")
+    source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
+    source.choose_keep(spec.keep)
+    store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite,
+                       parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep})
     try:
-        return _run_on(spec, source, store, t0, ranks, stream)
+        with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
+            return _run_on(spec, source, store, t0, limit, intr, stream)
     finally:
         store.close()
 
 
-def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, ranks: dict[str, int],
+def check_paths(spec: JobSpec) -> None:
+    """OUTPUT must never be (or lie inside) INPUT or MODEL; stdin cannot be resumed."""
+    if spec.stdin:
+        if spec.resume:
+            raise JobError("--resume cannot replay stdin: rerun the same command with the same input on "
+                           "stdin (what is durable is skipped), or save the input to a file")
+        return
+    targets = {spec.output.resolve(), spec.parts.resolve()}
+    for what, path in (("INPUT", spec.input.resolve()), ("MODEL", spec.model.resolve() if spec.model else None)):
+        if path is None:
+            continue
+        if path in targets:
+            raise JobError(f"OUTPUT {spec.output} is the {what}: it would be overwritten; choose another OUTPUT")
+        if path.is_dir() and any(t.is_relative_to(path) for t in targets):
+            raise JobError(f"OUTPUT {spec.output} lies inside the {what} folder {spec.input}: its files would "
+                           "become items; choose an OUTPUT outside it")
+
+
+def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, limit: FailureLimit, intr: Interrupts,
             stream: TextIO | None) -> JobOutcome:
     durable = store.settled_ranges()
     settled_before = sum(b - a for a, b in durable)
@@ -307,10 +414,10 @@ def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, ranks: dict[
     if settled_before:
         progress.note(f"resuming: {settled_before} of {source.count} items already durable in {spec.parts}")
     collector = Collector(store, spec.model is not None and spec.postprocess is None, store.schema())
-    run = _Run(spec, progress, collector, t0)
+    run = _Run(spec, progress, collector, t0, limit, intr)
     todo = _gaps(durable, source.count)
     if todo:
-        run.execute(source, todo, ranks)
+        run.execute(source, todo)
     progress.close(store.settled_count(), len(store.failures()), run.stats.restarts if run.stats else 0)
     return run.finish(store, source.count, settled_before)
 
@@ -337,12 +444,31 @@ def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
             "preprocess": spec.preprocess, "postprocess": spec.postprocess}
 
 
+Todo = Iterator[tuple[int, Callable[[], Any], dict[str, Any]]]  # (index, read the item, kept values)
+
+
+def _pending(source: Source, todo: list[tuple[int, int]]) -> Todo:
+    """The source's items whose index lies in `todo` (sorted, disjoint runs), in order."""
+    runs = iter(todo)
+    run = next(runs, None)
+    for entry in source.items():
+        while run is not None and entry[0] >= run[1]:
+            run = next(runs, None)
+        if run is None:
+            return
+        if entry[0] >= run[0]:
+            yield entry
+
+
 class _Run:
     """One run's engine, loop and numbers."""
 
-    def __init__(self, spec: JobSpec, progress: Progress, collector: Collector, t0: float) -> None:
+    def __init__(self, spec: JobSpec, progress: Progress, collector: Collector, t0: float,
+                 limit: FailureLimit, intr: Interrupts) -> None:
         self.spec, self.progress, self.collector, self.t0 = spec, progress, collector, t0
+        self.limit, self.intr = limit, intr
         self.interrupted = 0
+        self.stopped: str | None = None  # why failures stopped the job
         self.startup_s = 0.0
         self.processing_s = 0.0
         self.stats: Any = None
@@ -353,41 +479,81 @@ class _Run:
         self.draining = False
         self.last_stats = 0.0
         self.restarts = 0
+        self.todo = 0
+        pre, post = spec.preprocess, spec.postprocess
+        self.batched = spec.batched or job_hooks.hook_batched(pre) or job_hooks.hook_batched(post)
+        self.chunk = (spec.batch_size or BATCHED_DEFAULT) if self.batched else 1
 
-    def execute(self, source: Source, todo: list[tuple[int, int]], ranks: dict[str, int]) -> None:
-        eng = self._start(blocks_possible=source.rows is not None)
-        self.describe = eng.describe()
-        ranks.update({s.name: len(s.shape) for s in self.describe.inputs})
-        if len(self.describe.inputs) == 1:
-            ranks[""] = len(self.describe.inputs[0].shape)
+    def execute(self, source: Source, todo: list[tuple[int, int]]) -> None:
+        intr = self.intr
+        self.todo = sum(b - a for a, b in todo)
+        eng = self._start(blocks_possible=source.rows is not None and not self.batched)
+        try:
+            self.describe = eng.describe()
+            if self.spec.model is not None:
+                source.bind(self.describe.inputs)
+                self._check_outputs()
+                self._check_first(source, todo)
+        except BaseException:
+            eng.close(cancel_pending=True, timeout=10)
+            raise
         self.startup_s = time.monotonic() - self.t0
         t1 = self.collector.last_commit = time.monotonic()
         self.progress.begin()
         by_blocks = self._by_blocks(source)
         self.mode = "blocks" if by_blocks else "chunks"
         try:
-            with Interrupts() as intr:
-                try:
-                    if by_blocks:
-                        self._loop_blocks(eng, source, todo, intr)
-                    else:
-                        self._loop_items(eng, source, todo, intr)
-                except StopNow:
-                    pass
-                if intr.count >= 2:
-                    self.progress.note("stopping now: cancelling what is in flight")
-                self.interrupted = intr.signum if intr.count else 0
+            try:
+                if by_blocks:
+                    self._loop_blocks(eng, source, todo, intr)
+                else:
+                    self._loop_items(eng, source, todo, intr)
+            except StopNow:
+                pass
+            except StopFailures as exc:
+                self.stopped = str(exc)
+                self.progress.note(f"stopping: {self.stopped}")
+            if intr.count >= 2:
+                self.progress.note("stopping now: cancelling what is in flight")
+            self.interrupted = intr.signum if intr.count else 0
         finally:
             self.processing_s = time.monotonic() - t1
             self.collector.commit()
             self.stats = eng.stats()
             eng.close(cancel_pending=True, timeout=10)
 
+    def _check_outputs(self) -> None:
+        """A model output of strings cannot go to .npy/.npz: refused before any work."""
+        if self.spec.parquet or self.spec.postprocess is not None:
+            return
+        for s in self.describe.outputs:
+            if np.dtype(s.dtype).kind in "OUS":
+                raise JobError(f"model output {s.name!r} holds {np.dtype(s.dtype)} values; .npy/.npz/folder "
+                               "OUTPUTs keep numbers only: use -o OUT.parquet")
+
+    def _check_first(self, source: Source, todo: list[tuple[int, int]]) -> None:
+        """Without a preprocess every item has the first one's dtype: one error up front (not
+        one per item) when it does not fit the model."""
+        if self.spec.preprocess is not None:
+            return
+        first = next(_pending(source, todo), None)
+        if first is None:
+            return
+        try:
+            item = first[1]()
+        except (OSError, ValueError):
+            return  # an unreadable first item fails alone
+        specs = self.describe.inputs
+        try:
+            contract.check(contract.normalize(item, specs), specs)
+        except E.InputContractError as exc:
+            raise JobError(f"{self.spec.input} does not fit the model: {exc}") from exc
+
     def _by_blocks(self, source: Source) -> bool:
         """Rows of arrays, a model that takes any number of rows, nothing per item: blocks."""
         s = self.spec
         return (source.rows is not None and s.model is not None and s.preprocess is None
-                and s.postprocess is None and bool(self.describe and self.describe.batchable))
+                and s.postprocess is None and not self.batched and bool(self.describe and self.describe.batchable))
 
     def _start(self, *, blocks_possible: bool) -> Any:
         from slabpool.engine.api import Engine
@@ -395,18 +561,38 @@ class _Run:
 
         s = self.spec
         self.workers = s.workers or usable_cpus()
-        # a block is one model call of --batch-size rows; items (chunks) stack up to --batch-size
-        stack = 1 if blocks_possible or s.batch_size is None else s.batch_size
+        # a block is one model call of --batch-size rows; items (chunks) stack up to --batch-size;
+        # a batched hook's list is one model call already
+        stack = 1 if blocks_possible or self.batched or s.batch_size is None else s.batch_size
+        pre, post = self._hooks()
         try:
             return Engine(
                 str(s.model) if s.model else None, workers=self.workers, start_method=s.start_method,
-                preprocess=s.preprocess, postprocess=s.postprocess, max_attempts=s.max_attempts,
+                preprocess=pre, postprocess=post, max_attempts=s.max_attempts,
                 task_timeout=s.task_timeout, max_batch_size=stack,
             )
         except (E.EngineError, OSError, ValueError, TypeError, ImportError, AttributeError) as exc:
             what = "the model failed to load" if isinstance(exc, E.SessionInitError) else "cannot start"
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise JobError(f"{what}: {first}") from exc
+
+    def _hooks(self) -> tuple[Any, Any]:
+        """The engine's hooks: the names as given, or adapters so that a task's item is a list."""
+        s = self.spec
+        if not self.batched:
+            return s.preprocess, s.postprocess
+        pre: Any = job_hooks.stack_feeds
+        if s.preprocess is not None:
+            fn = job_hooks.resolve(s.preprocess)
+            if s.batched or getattr(fn, "batched", False):
+                pre = fn
+            else:
+                pre = functools.partial(job_hooks.each_pre if s.model else job_hooks.each_item, fn)
+        post: Any = None
+        if s.postprocess is not None:
+            fn = job_hooks.resolve(s.postprocess)
+            post = fn if s.batched or getattr(fn, "batched", False) else functools.partial(job_hooks.each_post, fn)
+        return pre, post
 
     def _loop_blocks(self, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
         """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file."""
@@ -440,36 +626,67 @@ class _Run:
 
     def _loop_items(self, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
         """Steps 2-4 item by item, as Engine.map sends them: tiny items many to a task (a
-        chunk), each item with its own outcome."""
-        order: deque[int] = deque()
+        chunk), each item with its own outcome. With batched hooks a map item is a list of
+        items (one hook call); a list that fails is retried item by item, so a bad one fails alone."""
+        order: deque[list[tuple[int, Callable[[], Any], dict[str, Any]]]] = deque()
         col = self.collector
+        pending = _pending(source, todo)
 
         def items() -> Iterator[Any]:
-            for a, b in todo:
-                for i in range(a, b):
-                    if intr.count:
-                        return
+            while not intr.count and (group := list(itertools.islice(pending, self.chunk))):
+                got = []
+                for entry in group:
                     try:
-                        item = source.item(i)
-                        if self.spec.preprocess is None:
+                        item = entry[1]()
+                        if self.spec.preprocess is None and not self.batched:
                             eng._admit(item)  # refused at the door: this item alone fails
                     except ITEM_ERRORS as exc:
-                        col.add(i, exc)
+                        col.add(entry[0], exc, entry[2])
                         continue
-                    order.append(i)
-                    yield item
+                    got.append((entry, item))
+                if got:
+                    order.append([e for e, _ in got])
+                    yield [it for _, it in got] if self.batched else got[0][1]
 
         outcomes = eng.map(items(), return_exceptions=True)
         try:
             while (outcome := intr.wait(outcomes)) is not None:
-                col.add(order.popleft(), outcome)
+                self._settle(eng, order.popleft(), outcome)
                 self._tick(eng, intr)
         finally:
             outcomes.close()
 
+    def _settle(self, eng: Any, group: list[tuple[int, Callable[[], Any], dict[str, Any]]],
+                outcome: Result | BaseException) -> None:
+        """One map outcome: an item's, or a batched list's (split per item)."""
+        if len(group) > 1 and isinstance(outcome, ITEM_ERRORS):
+            for entry in group:  # find the bad item: each on its own, as a list of one
+                try:
+                    alone: Result | BaseException = eng.submit([entry[1]()]).result()
+                except ITEM_ERRORS as exc:
+                    alone = exc
+                self._settle(eng, [entry], alone)
+            return
+        for j, (index, _, kept) in enumerate(group):
+            self.collector.add(index, self._one(outcome, j, len(group)), kept)
+
+    def _one(self, outcome: Result | BaseException, j: int, n: int) -> Result | BaseException:
+        """Item j's share of a task's outcome (a batched list's result splits per item)."""
+        if not self.batched or not isinstance(outcome, Result):
+            return outcome
+        try:
+            parts = job_hooks.split(outcome.outputs, n, post=self.spec.postprocess is not None,
+                                    model=self.spec.model is not None)
+        except ValueError as exc:
+            return RowError(str(exc))
+        return dataclasses.replace(outcome, outputs=parts[j])
+
     def _tick(self, eng: Any, intr: Interrupts) -> None:
         """Between outcomes: commit when due (step 4), the progress display, the first signal's note."""
         col = self.collector
+        why = self.limit.exceeded(col.failed, col.done + col.failed, self.todo)
+        if why:
+            raise StopFailures(why)
         if intr.count and not self.draining:
             self.draining = True
             self.progress.note("interrupted: finishing the items in flight (press Ctrl-C again to stop now)")
@@ -492,20 +709,30 @@ class _Run:
         text = "".join(json.dumps(f.as_json()) + "\n" for f in failures)
         write_atomic(spec.parts / "failures.jsonl", lambda f: f.write(text.encode()))
         complete = store.settled_count() >= count
-        if complete and spec.single_file:
+        if complete and spec.parquet:
+            if count:
+                keep = tuple(store.keep_types)
+                write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f))
+            else:
+                notes.append(f"the input holds no items: {spec.output} was not written")
+        elif complete and spec.single_file:
             arrays = assemble(store, count, col.schema)
             if arrays is None:
                 notes.append(f"no item succeeded: {spec.output} was not written")
             else:
                 note = save_output(spec.output, arrays)
                 notes.extend([note] if note else [])
-        if not complete:
+        error = None
+        if self.stopped:
+            status, first = 1, col.first_failure
+            error = f"stopped: {self.stopped}; first error: " + (f"{first.error}: {first.message}" if first else "-")
+        elif not complete:
             status = 143 if self.interrupted == signal.SIGTERM else 130
         else:
             status = 2 if failures else 0
         report = self._report(count, skipped, len(failures), complete, status)
         write_json(spec.parts / "report.json", report)
-        return JobOutcome(status, report, notes)
+        return JobOutcome(status, report, notes, error)
 
     def _report(self, count: int, skipped: int, failed: int, complete: bool, status: int) -> dict[str, Any]:
         spec, col, st = self.spec, self.collector, self.stats

@@ -1,19 +1,22 @@
-"""The batch job's files: where items come from, and how results become durable.
+"""The batch job's durable store: how results become durable and are read back.
+(Where items come from: engine.job_sources; Parquet shards and output: engine.job_parquet.)
 
-    INPUT                          OUTPUT (a directory, or FILE.npy|.npz with FILE.parts/ beside it)
-    .npy   items on axis 0          manifest.json    which job this is (a fingerprint); written once
-    .npz   named inputs, axis 0     journal.jsonl    one line per durable shard: its item ranges, its
-    dir/   one .npy/.npz per item                    size and digest, the failures it settled
-    .jsonl one JSON value per line  shards/*.npz     rows of done items, `__index__` says which
-    .txt   one string per line      failures.jsonl   index, error class, message, attempts
-                                    report.json      the summary of the last run
-                                    .lock            flock: one writer per OUTPUT
+    OUTPUT: a directory, or FILE.npy|.npz|.parquet with FILE.parts/ beside it
+    manifest.json    which job this is (a fingerprint); written once
+    journal.jsonl    one line per durable shard: its item ranges, its size and digest, the
+                     failures it settled
+    shards/*.npz     rows of done items, `__index__` says which (Parquet OUTPUT: shards/*.parquet
+                     hold every settled item, failed ones with null outputs and an `error`)
+    failures.jsonl   index, error class, message, attempts
+    report.json      the summary of the last run
+    .lock            flock: one writer per OUTPUT
 
 A shard becomes durable in three steps: write a temporary file, fsync, rename (then fsync the
 folder); only then is its journal line appended (and fsynced). On open the journal is read back,
 and an entry counts only if its shard has the recorded size and digest: a torn write is never
-read as done. The journal is then rewritten with the valid entries alone, so a torn last line
-cannot swallow the next append.
+read as done, and its shard must hold exactly the items the line claims (else the folder was
+changed by something else: a JobError). The journal is then rewritten with the valid entries
+alone, so a torn last line cannot swallow the next append.
 """
 
 from __future__ import annotations
@@ -22,165 +25,74 @@ import fcntl
 import hashlib
 import json
 import os
+import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from slabpool.engine import job_parquet
+from slabpool.engine.job_parquet import INDEX_KEY, Schema
+from slabpool.engine.job_sources import JobError
+
 Array = npt.NDArray[Any]
-Schema = dict[str, tuple[str, tuple[int, ...]]]  # output name -> (dtype str, row shape)
-INDEX_KEY = "__index__"
-_savez = cast(Callable[..., None], np.savez)  # numpy's stub types **arrays as its own flags
-
-
-class JobError(Exception):
-    """The job cannot run (bad input, mismatched OUTPUT, ...): one line for the user."""
+__all__ = ["INDEX_KEY", "JobError", "RowError", "Schema", "Store", "read_output", "save_output", "savez"]
 
 
 class RowError(ValueError):
     """An item's result cannot be stored as a row of the output (ragged, not numeric)."""
 
 
-# -- inputs ---------------------------------------------------------------------------------------
-
-
-class Source:
-    """Items of a job by index. `item(i)` is what `Engine.submit` gets for item i.
-
-    A source whose items are rows on axis 0 of arrays (.npy, .npz, without a preprocess) also
-    reads `rows(lo, hi)`: rows [lo, hi) as one feed (views of the file where it is memory-
-    mapped); the job then sends them as blocks (engine/blocks.py), not item by item."""
-
-    def __init__(self, path: Path, count: int, get: Callable[[int], Any], fingerprint: dict[str, Any],
-                 rows: Callable[[int, int], Any] | None = None):
-        self.path = path
-        self.count = count
-        self._get = get
-        self.fingerprint = fingerprint
-        self.rows = rows
-
-    def item(self, index: int) -> Any:
-        return self._get(index)
-
-
-def open_source(path: Path, *, preprocess: bool, ranks: dict[str, int] | None = None) -> Source:
-    """Open INPUT. Without a preprocess an item keeps the batch axis (shape (1, ...))."""
-    if not path.exists():
-        raise JobError(f"input not found: {path}")
-    try:
-        if path.is_dir():
-            return _dir_source(path, preprocess, {} if ranks is None else ranks)
-        if path.suffix == ".npy":
-            return _npy_source(path, preprocess)
-        if path.suffix == ".npz":
-            return _npz_source(path, preprocess)
-        return _text_source(path, preprocess)
-    except (OSError, ValueError, EOFError) as exc:
-        raise JobError(f"cannot read input {path}: {exc}") from exc
-
-
-def _file_fp(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _npy_source(path: Path, preprocess: bool) -> Source:
-    arr = np.load(path, mmap_mode="r")
-    if arr.ndim == 0:
-        raise JobError(f"{path} holds a scalar; items must lie on axis 0")
-
-    def get(i: int) -> Any:
-        return np.array(arr[i]) if preprocess else np.ascontiguousarray(arr[i : i + 1])
-
-    def rows(lo: int, hi: int) -> Any:
-        return arr[lo:hi]  # a view of the memory-mapped file: one copy, into shared memory
-
-    return Source(path, int(arr.shape[0]), get, _file_fp(path), None if preprocess else rows)
-
-
-def _npz_source(path: Path, preprocess: bool) -> Source:
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files}
-    if not arrays:
-        raise JobError(f"{path} holds no arrays")
-    counts = {k: (a.shape[0] if a.ndim else -1) for k, a in arrays.items()}
-    if len(set(counts.values())) != 1 or -1 in counts.values():
-        raise JobError(f"{path}: every array needs the same length on axis 0, got {counts}")
-
-    def get(i: int) -> Any:
-        if preprocess:
-            return {k: np.array(a[i]) for k, a in arrays.items()}
-        return {k: np.ascontiguousarray(a[i : i + 1]) for k, a in arrays.items()}
-
-    def rows(lo: int, hi: int) -> Any:
-        return {k: a[lo:hi] for k, a in arrays.items()}
-
-    return Source(path, next(iter(counts.values())), get, _file_fp(path), None if preprocess else rows)
-
-
-def _dir_source(path: Path, preprocess: bool, ranks: dict[str, int]) -> Source:
-    files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".npz") and p.is_file())
-    if not files:
-        raise JobError(f"{path} holds no .npy or .npz files")
-
-    def batched(name: str, a: Array) -> Array:
-        want = ranks.get(name, ranks.get("", -1))
-        return a[None] if not preprocess and a.ndim == want - 1 else a
-
-    def get(i: int) -> Any:
-        f = files[i]
-        if f.suffix == ".npy":
-            return batched("", np.load(f))
-        with np.load(f) as z:
-            return {k: batched(k, z[k]) for k in z.files}
-
-    fp = {"path": str(path.resolve()), "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
-    return Source(path, len(files), get, fp)
-
-
-def _text_source(path: Path, preprocess: bool) -> Source:
-    if not preprocess:
-        raise JobError(f"{path.name}: a text or JSONL input needs --preprocess module:function")
-    as_json = path.suffix in (".jsonl", ".json", ".ndjson")
-    numbered = [(n, ln) for n, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
-    items: list[Any] = []
-    for n, line in numbered:
-        try:
-            items.append(json.loads(line) if as_json else line)
-        except json.JSONDecodeError as exc:
-            raise JobError(f"{path}: line {n} is not JSON ({exc})") from exc
-    return Source(path, len(items), items.__getitem__, _file_fp(path))
-
-
 # -- rows -----------------------------------------------------------------------------------------
 
 
-def to_rows(outputs: Any, *, strip_batch: bool) -> dict[str, Array]:
-    """One item's result as output rows. Model outputs carry a batch axis of 1, dropped here."""
+def to_rows(outputs: Any, *, strip_batch: bool, parquet: bool = False,
+            reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One item's result as output rows. Model outputs carry a batch axis of 1, dropped here.
+
+    A row is a numeric array; for a Parquet OUTPUT also any other value a postprocess returns
+    (str, a Python number or list, ...), kept as it is. A non-numeric value bound for .npy/.npz
+    stops the job (JobError: it would fail every item), pointing to .parquet."""
     if not isinstance(outputs, dict):
         outputs = {"output": outputs}
-    rows: dict[str, Array] = {}
-    for name, value in outputs.items():
-        a = np.asarray(value)
-        if a.dtype.hasobject or a.dtype.kind in "USV":
-            raise RowError(f"output {name!r} is not a numeric array (dtype {a.dtype})")
+    rows: dict[str, Any] = {}
+    for key, value in outputs.items():
+        name = str(key)
+        if name in (INDEX_KEY, *((job_parquet.ERROR_KEY,) if parquet else ()), *reserved):
+            raise JobError(f"an output is named {name!r}, which the OUTPUT already uses for "
+                           f"{'a --keep column' if name in reserved else 'its own column'}: rename it")
+        if parquet and not isinstance(value, np.ndarray | np.generic):
+            rows[name] = value  # stored as it is
+            continue
+        try:
+            a = np.asarray(value)
+        except ValueError as exc:  # ragged nested lists
+            raise RowError(f"output {name!r} is not an array ({exc})") from exc
         if strip_batch:
             if a.ndim == 0 or a.shape[0] != 1:
                 raise RowError(f"output {name!r} has shape {a.shape}; one item needs a batch axis of 1")
             a = a[0]
-        rows[str(name)] = a
+        if a.dtype.hasobject or a.dtype.kind in "USV":
+            if not parquet:
+                raise JobError(f"output {name!r} holds {a.dtype} values ({type(value).__name__}); .npy/.npz "
+                               "and folder OUTPUTs keep numbers only: use -o OUT.parquet")
+            rows[name] = a.tolist()
+            continue
+        rows[name] = a
     return rows
 
 
-def schema_of(rows: dict[str, Array]) -> Schema:
-    return {k: (a.dtype.str, tuple(a.shape)) for k, a in rows.items()}
+def schema_of(rows: dict[str, Any]) -> Schema:
+    """(dtype, shape) of each numeric row; ("py", ()) for a value stored as it is (Parquet)."""
+    return {k: (a.dtype.str, tuple(a.shape)) if isinstance(a, np.ndarray) else (job_parquet.PY, ())
+            for k, a in rows.items()}
 
 
-def check_rows(rows: dict[str, Array], schema: Schema) -> None:
+def check_rows(rows: dict[str, Any], schema: Schema) -> None:
     got = schema_of(rows)
     if got != schema:
         raise RowError(f"the result does not match the first item's outputs: {got} vs {schema}")
@@ -224,6 +136,15 @@ def fsync_dir(path: Path) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()))
+
+
+def savez(f: IO[bytes], arrays: dict[str, Array]) -> None:
+    """An uncompressed .npz of `arrays`, any names allowed: np.savez(f, **arrays) would take an
+    array named `file` or `allow_pickle` as its own argument."""
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, a in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
 
 
 def digest(path: Path, like: str = "crc32:") -> str:
@@ -295,6 +216,8 @@ class Store:
     """The durable side of a job, in one folder (`parts`)."""
 
     parts: Path
+    parquet: bool = False  # shards are Parquet files holding failed rows too (engine.job_parquet)
+    keep_types: dict[str, Any] = field(default_factory=dict)  # arrow types of --keep columns
     entries: list[Entry] = field(default_factory=list)
     invalid: int = 0  # journal entries dropped on open (torn or missing shard)
     _lock_fd: int = -1
@@ -308,12 +231,15 @@ class Store:
         return self.parts / "journal.jsonl"
 
     @classmethod
-    def open(cls, parts: Path, fingerprint: dict[str, Any], *, resume: bool, overwrite: bool) -> Store:
+    def open(cls, parts: Path, fingerprint: dict[str, Any], *, resume: bool, overwrite: bool,
+             parquet: bool = False, keep_types: dict[str, Any] | None = None) -> Store:
         manifest = parts / "manifest.json"
+        if resume and overwrite:
+            raise JobError("--resume and --overwrite contradict each other: choose one")
         if resume and not manifest.exists():
             raise JobError(f"--resume: nothing to resume in {parts} (no manifest.json)")
         parts.mkdir(parents=True, exist_ok=True)
-        store = cls(parts)
+        store = cls(parts, parquet, dict(keep_types or {}))
         store._lock()
         try:
             if overwrite:
@@ -356,7 +282,7 @@ class Store:
 
     def _load(self, *, readonly: bool = False) -> None:
         raw = self.journal.read_text().splitlines() if self.journal.exists() else []
-        for line in raw:
+        for n, line in enumerate(raw, 1):
             try:
                 entry = Entry.from_json(json.loads(line))
             except (ValueError, KeyError, TypeError):
@@ -365,6 +291,7 @@ class Store:
             if entry.shard is not None and not self._valid(entry):
                 self.invalid += 1
                 continue
+            self._check_claims(entry, n)
             self.entries.append(entry)
         if readonly:
             return
@@ -382,6 +309,25 @@ class Store:
             return p.stat().st_size == entry.size and digest(p, entry.digest) == entry.digest
         except OSError:
             return False
+
+    def _check_claims(self, entry: Entry, line: int) -> None:
+        """A valid line's shard must hold exactly the rows the line claims: else the folder was
+        changed outside slabpool, and reading it would give rows that were never computed."""
+        claimed = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in entry.ranges] or [np.zeros(0, np.int64)])
+        if not self.parquet:
+            claimed = np.setdiff1d(claimed, [f.index for f in entry.failures])
+        held = np.zeros(0, np.int64) if entry.shard is None else self._indices(self.shards / entry.shard)
+        if not np.array_equal(np.unique(held), claimed) or len(held) != len(claimed):
+            lost = np.setdiff1d(claimed, held)[:5].tolist() or np.setdiff1d(held, claimed)[:5].tolist()
+            raise JobError(f"{self.journal} line {line} claims item(s) {lost} that shard {entry.shard} does "
+                           "not hold as journaled; the folder was changed outside slabpool: pass --overwrite "
+                           "to start over")
+
+    def _indices(self, path: Path) -> Array:
+        if self.parquet:
+            return job_parquet.shard_indices(path)
+        with np.load(path) as z:
+            return np.asarray(z[INDEX_KEY], dtype=np.int64)
 
     def settled(self) -> set[int]:
         """Indices whose outcome (a row, or a failure) is durable."""
@@ -406,20 +352,31 @@ class Store:
 
     def schema(self) -> Schema | None:
         for e in self.entries:
-            if e.shard is not None:
+            if e.shard is not None and self.parquet:
+                found = job_parquet.shard_schema(self.shards / e.shard)
+                if found is not None:
+                    return found
+            elif e.shard is not None:
                 with np.load(self.shards / e.shard) as z:
                     return {k: (z[k].dtype.str, tuple(z[k].shape[1:])) for k in z.files if k != INDEX_KEY}
         return None
 
-    def commit(self, indices: Array, columns: dict[str, Array], failures: list[Failure]) -> Entry:
+    def commit(self, indices: Array, columns: dict[str, Any], failures: list[Failure], *,
+               kept: dict[int, dict[str, Any]] | None = None, schema: Schema | None = None) -> Entry:
         """Make one shard durable, then journal it. `columns`: every output, row k of each
-        belonging to item `indices[k]` (int64); a shard of no rows settles failures only."""
+        belonging to item `indices[k]` (int64); a shard of no rows settles failures only.
+        Parquet: `columns` may be lists (values stored as they are), `kept` holds the --keep
+        values by item index, `schema` the outputs' (a shard is written for failures too)."""
         name, size, dig = None, 0, ""
-        if len(indices):
+        if self.parquet:
+            name = self._parquet_shard(indices, columns, failures, kept or {}, schema or {})
+            path = self.shards / name
+            size, dig = path.stat().st_size, digest(path)
+        elif len(indices):
             name = f"shard-{int(indices[0]):09d}-{len(indices):06d}.npz"
             arrays = {**columns, INDEX_KEY: np.asarray(indices, dtype=np.int64)}
             path = self.shards / name
-            write_atomic(path, lambda f: _savez(f, **arrays))
+            write_atomic(path, lambda f: savez(f, arrays))
             size, dig = path.stat().st_size, digest(path)
         settled = np.concatenate([np.asarray(indices, np.int64), np.asarray([f.index for f in failures], np.int64)])
         entry = Entry(name, size, dig, ranges_of(settled), tuple(failures))
@@ -429,6 +386,19 @@ class Store:
             os.fsync(j.fileno())
         self.entries.append(entry)
         return entry
+
+    def _parquet_shard(self, indices: Array, columns: dict[str, Any], failures: list[Failure],
+                       kept: dict[int, dict[str, Any]], schema: Schema) -> str:
+        every = [*np.asarray(indices).tolist(), *(f.index for f in failures)]
+        keep = {k: [kept.get(i, {}).get(k) for i in every] for k in self.keep_types}
+        failed = [(f.index, f"{f.error}: {f.message}") for f in failures]
+        name = f"shard-{min(every):09d}-{len(every):06d}.parquet"
+        write_atomic(self.shards / name,
+                     lambda f: job_parquet.write_shard(f, indices, columns, failed, keep, self.keep_types, schema))
+        return name
+
+    def shard_paths(self) -> list[Path]:
+        return [self.shards / e.shard for e in self.entries if e.shard is not None]
 
     def rows(self) -> Iterator[tuple[Array, dict[str, Array]]]:
         """(indices, arrays) of every durable shard, in journal order."""
@@ -472,7 +442,7 @@ def read_output(output: str | os.PathLike[str]) -> dict[str, Array]:
 def save_output(path: Path, arrays: dict[str, Array]) -> str | None:
     """Write the single-file OUTPUT atomically; return a note when .npy keeps only one output."""
     if path.suffix == ".npz":
-        write_atomic(path, lambda f: _savez(f, **arrays))
+        write_atomic(path, lambda f: savez(f, arrays))
         return None
     first = next(iter(arrays))
     write_atomic(path, lambda f: np.save(f, arrays[first]))

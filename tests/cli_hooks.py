@@ -38,3 +38,64 @@ def square(line: Any) -> dict[str, np.ndarray]:
     """Model-less: a text line holding a number -> its square (the whole task)."""
     v = float(line)
     return {"y": np.asarray([v, v * v], dtype=np.float64)}
+
+
+# -- input formats (tests/test_formats.py) ----------------------------------------------------------
+
+
+def load_image(path: str) -> dict[str, np.ndarray]:
+    """A 4x4 image file (any format Pillow reads) -> the mlp's 16 features in [0, 1]."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        pixels = np.asarray(im.convert("L"), dtype=np.float32)
+    return {"x": (pixels.reshape(1, 16) / 255.0).astype(np.float32)}
+
+
+def label(outputs: dict[str, np.ndarray], item: Any) -> dict[str, Any]:
+    """The mlp's outputs -> a label string, a Python float and the probabilities (a vector)."""
+    probs = outputs["probs"][0]
+    return {"label": f"class-{int(np.argmax(probs))}", "score": float(probs.max()), "probs": probs}
+
+
+def row_features(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A table row with columns f0..f15 -> the mlp's feeds."""
+    return {"x": np.asarray([[row[f"f{k}"] for k in range(16)]], dtype=np.float32)}
+
+
+def needs_label(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A hook with a systematic bug: it reads a column the data lacks."""
+    return {"x": np.asarray([row["label"]], dtype=np.float32)}
+
+
+def feeds_batch(items: list[Any]) -> dict[str, np.ndarray]:
+    """Batched: JSON items -> stacked feeds; an item marked bad fails the call (and so alone,
+    when the job retries the list item by item)."""
+    for it in items:
+        if it.get("bad"):
+            raise ValueError(f"item {it['i']} is marked bad")
+    return {"x": np.asarray([it["x"] for it in items], dtype=np.float32)}
+
+
+feeds_batch.batched = True  # type: ignore[attr-defined]
+
+
+def labels_batch(outputs: dict[str, np.ndarray], items: list[Any]) -> list[str]:
+    """Batched postprocess: one label per item of the block."""
+    return [f"class-{int(k)}" for k in np.argmax(outputs["probs"], axis=1)]
+
+
+labels_batch.batched = True  # type: ignore[attr-defined]
+
+
+def wrong_count(outputs: dict[str, np.ndarray], items: list[Any]) -> list[str]:
+    """Batched postprocess that returns one result too few."""
+    return ["x"] * (len(items) - 1)
+
+
+wrong_count.batched = True  # type: ignore[attr-defined]
+
+
+def named_like_savez(outputs: dict[str, np.ndarray], item: Any) -> dict[str, np.ndarray]:
+    """Outputs named after np.savez's own keywords."""
+    return {"file": outputs["probs"][0], "allow_pickle": outputs["logits"][0]}

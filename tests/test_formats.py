@@ -1,0 +1,336 @@
+"""`slabpool run` over the data users have: folders of files, Parquet/CSV/Arrow tables, stdin in;
+Parquet (kept columns, strings, an error column) out; batched hooks; systematic failures stop.
+
+The real CLI in a subprocess with real workers; every result is compared with the mlp's numpy
+reference (tests/models/onnx_models.mlp_reference) or with what Engine.map gives.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from slabpool.engine import job_parquet
+from slabpool.engine.job_io import Failure, Store
+from slabpool.engine.job_sources import column_array, open_source
+from tests.models.onnx_models import mlp_reference
+from tests.test_cli import CLI, DEADLINE, ENV, REPO, jsonl, rows, slabpool
+
+
+def ref(x: np.ndarray) -> dict[str, np.ndarray]:
+    return mlp_reference(x)
+
+
+def close(got: Any, want: np.ndarray) -> None:
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float32), want, rtol=1e-5, atol=1e-6)
+
+
+def run_stdin(data: str, *args: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *map(str, args)], cwd=REPO, env=ENV, input=data, capture_output=True,
+                          text=True, timeout=DEADLINE)
+
+
+def last_line(p: subprocess.CompletedProcess[str]) -> str:
+    return p.stderr.strip().splitlines()[-1]
+
+
+# -- a folder of image files -> Parquet ----------------------------------------------------------------
+
+
+def test_image_folder_to_parquet(tmp_path: Path, models: SimpleNamespace) -> None:
+    """Every regular file, recursively, sorted by relative path; the hook gets the path; a file
+    it cannot read is a failed row (null outputs, the error), the others match the reference."""
+    rng = np.random.default_rng(1)
+    names = ["b/img1.png", "a.png", "b/c/img0.bmp", "z.jpg.png", "a2.png"]
+    pixels = {}
+    for name in names:
+        px = rng.integers(0, 256, (4, 4), dtype=np.uint8)
+        (tmp_path / "imgs" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(px, mode="L").save(tmp_path / "imgs" / name)
+        pixels[name] = px
+    (tmp_path / "imgs" / "b" / "notes.txt").write_text("not an image")
+    out = tmp_path / "out.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "imgs", "-o", out, "--workers", 2, "--keep", "path",
+                 "--preprocess", "tests.cli_hooks:load_image", "--postprocess", "tests.cli_hooks:label")
+    assert p.returncode == 2, p.stderr  # one file failed, listed
+    t = pq.read_table(out)
+    assert t.column_names == ["path", "label", "score", "probs", "error"]
+    order = sorted([*names, "b/notes.txt"])
+    assert t.column("path").to_pylist() == order
+    assert pa.types.is_fixed_size_list(t.schema.field("probs").type)
+    assert t.schema.field("label").type == pa.string()
+    for k, name in enumerate(order):
+        row = t.slice(k, 1).to_pylist()[0]
+        if name == "b/notes.txt":
+            assert row["label"] is None and row["probs"] is None and "cannot identify image" in row["error"]
+            continue
+        want = ref((pixels[name].reshape(1, 16) / 255.0).astype(np.float32))["probs"][0]
+        assert row["error"] is None and row["label"] == f"class-{int(np.argmax(want))}"
+        close(row["probs"], want)
+        assert row["score"] == pytest.approx(float(want.max()), rel=1e-5)
+
+
+def test_npy_folder_without_hook_keeps_its_meaning_and_path_column(tmp_path: Path, models: SimpleNamespace) -> None:
+    x = rows(5)
+    (tmp_path / "items").mkdir()
+    for i in range(5):
+        np.save(tmp_path / "items" / f"{i:02d}.npy", x[i])
+    out = tmp_path / "o.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "items", "-o", out, "--workers", 1, "--keep", "path")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("path").to_pylist() == [f"{i:02d}.npy" for i in range(5)]
+    close(t.column("logits").to_pylist(), ref(x)["logits"])
+
+
+# -- tables --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lists", ["fixed", "variable"])
+def test_parquet_table_scored_with_its_id_kept(lists: str, tmp_path: Path, models: SimpleNamespace) -> None:
+    """No hook: the column named after the model's input feeds it, read in record batches
+    (several row groups); the id column comes back next to the outputs, in input order."""
+    n = 23
+    x = rows(n, seed=3)
+    ids = [f"id-{i * 7}" for i in range(n)]
+    col = (pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 16) if lists == "fixed"
+           else pa.array(x.tolist(), type=pa.list_(pa.float32())))
+    pq.write_table(pa.table({"id": ids, "x": col, "other": list(range(n))}), tmp_path / "t.parquet", row_group_size=5)
+    out = tmp_path / "scores.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "t.parquet", "-o", out, "--workers", 2, "--batch-size", 4,
+                 "--keep", "id,other")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column_names == ["id", "other", "probs", "logits", "error"]
+    assert t.column("id").to_pylist() == ids and t.column("other").to_pylist() == list(range(n))
+    assert t.schema.field("other").type == pa.int64()  # kept columns keep their type
+    assert t.schema.field("probs").type == pa.list_(pa.float32(), 8)
+    close(t.column("probs").to_pylist(), ref(x)["probs"])
+    assert t.column("error").null_count == n
+
+
+def test_csv_through_a_hook(tmp_path: Path, models: SimpleNamespace) -> None:
+    """With a hook, a CSV row arrives as a dict column -> value (header names, typed)."""
+    x = rows(9, seed=4)
+    table = pa.table({"id": [100 + i for i in range(9)], **{f"f{k}": x[:, k].astype(np.float64) for k in range(16)}})
+    pacsv.write_csv(table, tmp_path / "in.csv")
+    out = tmp_path / "out.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "in.csv", "-o", out, "--workers", 2, "--keep", "id",
+                 "--preprocess", "tests.cli_hooks:row_features")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("id").to_pylist() == [100 + i for i in range(9)]
+    close(t.column("probs").to_pylist(), ref(x)["probs"])
+
+
+def test_arrow_table_to_npz_and_ragged_lists(tmp_path: Path, models: SimpleNamespace) -> None:
+    """An Arrow (Feather v2) table without a hook to .npz; a null cell fails that row alone."""
+    x = rows(6, seed=5)
+    cells: list[Any] = x.tolist()
+    cells[2] = None
+    feather.write_feather(pa.table({"x": pa.array(cells, type=pa.list_(pa.float32()))}), tmp_path / "t.feather")
+    out = tmp_path / "out.npz"
+    p = slabpool("run", models.mlp, tmp_path / "t.feather", "-o", out, "--workers", 1)
+    assert p.returncode == 2, p.stderr
+    with np.load(out) as z:
+        good = [0, 1, 3, 4, 5]
+        close(z["probs"][good], ref(x[good])["probs"])
+        assert np.isnan(z["probs"][2]).all()
+    failures = Path(f"{out}.parts/failures.jsonl").read_text()
+    assert '"index": 2' in failures and "null" in failures
+
+
+def test_table_columns_must_match_the_model(tmp_path: Path, models: SimpleNamespace) -> None:
+    pq.write_table(pa.table({"feat": [[1.0] * 16]}), tmp_path / "t.parquet")
+    p = slabpool("run", models.mlp, tmp_path / "t.parquet", "-o", tmp_path / "o.parquet", "--workers", 1)
+    assert p.returncode == 1
+    assert len(p.stderr.strip().splitlines()) == 1 and "no column 'x'" in p.stderr and "feat" in p.stderr
+
+
+def test_column_array_reads_blocks_or_defers_to_rows() -> None:
+    same = pa.array([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], type=pa.list_(pa.list_(pa.int32())))
+    got = column_array(pa, same)
+    assert got is not None and got.dtype == np.int32 and got.shape == (2, 2, 2)
+    assert column_array(pa, pa.array([[1.0], [2.0, 3.0]])) is None  # ragged: row by row
+    assert column_array(pa, pa.array([1.5, None])) is None  # a null: that row fails alone
+    sliced = pa.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], type=pa.list_(pa.float64(), 2)).slice(1, 2)
+    np.testing.assert_array_equal(column_array(pa, sliced), [[3.0, 4.0], [5.0, 6.0]])
+
+
+# -- stdin ---------------------------------------------------------------------------------------------
+
+
+def test_stdin_jsonl_text_and_no_resume(tmp_path: Path, models: SimpleNamespace) -> None:
+    x = rows(5, seed=6)
+    data = "".join(json.dumps({"i": i, "x": r.tolist()}) + "\n" for i, r in enumerate(x))
+    out = tmp_path / "o.parquet"
+    p = run_stdin(data, "run", models.mlp, "-", "-o", out, "--workers", 1, "--preprocess",
+                  "tests.cli_hooks:feeds", "--keep", "line")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("line").to_pylist() == [1, 2, 3, 4, 5]
+    close(t.column("probs").to_pylist(), ref(x)["probs"])
+
+    p = run_stdin("4\n\n-2\n", "run", "-", "-o", tmp_path / "sq.npy", "--text", "--workers", 1,
+                  "--preprocess", "tests.cli_hooks:square")
+    assert p.returncode == 0, p.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "sq.npy"), [[4, 16], [-2, 4]])
+
+    p = run_stdin(data, "run", models.mlp, "-", "-o", out, "--resume", "--preprocess", "tests.cli_hooks:feeds")
+    assert p.returncode == 1 and "--resume cannot replay stdin" in p.stderr, p.stderr
+
+
+# -- batched hooks -------------------------------------------------------------------------------------
+
+
+def test_batched_hooks_and_a_bad_item_fails_alone(tmp_path: Path, models: SimpleNamespace) -> None:
+    x = rows(20, seed=7)
+    items = [{"i": i, "x": r.tolist(), **({"bad": 1} if i == 13 else {})} for i, r in enumerate(x)]
+    out = tmp_path / "o.parquet"
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2,
+                 "--batch-size", 6, "--preprocess", "tests.cli_hooks:feeds_batch",
+                 "--postprocess", "tests.cli_hooks:labels_batch")
+    assert p.returncode == 2, p.stderr
+    t = pq.read_table(out)
+    want = [f"class-{int(k)}" for k in np.argmax(ref(x)["probs"], axis=1)]
+    labels = t.column("output").to_pylist()
+    assert labels[:13] == want[:13] and labels[14:] == want[14:] and labels[13] is None
+    errors = t.column("error").to_pylist()
+    assert [i for i, e in enumerate(errors) if e] == [13] and "marked bad" in errors[13]
+
+
+def test_batched_preprocess_with_a_per_item_postprocess_flag(tmp_path: Path, models: SimpleNamespace) -> None:
+    """--batched on a per-item-looking pair: preprocess gets lists, the model's rows split back."""
+    x = rows(7, seed=8)
+    items = [{"i": i, "x": r.tolist()} for i, r in enumerate(x)]
+    out = tmp_path / "o.npz"
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 1,
+                 "--batch-size", 3, "--preprocess", "tests.cli_hooks:feeds_batch")
+    assert p.returncode == 0, p.stderr
+    with np.load(out) as z:
+        close(z["probs"], ref(x)["probs"])
+
+
+def test_batched_postprocess_with_the_wrong_count_stops_the_job(tmp_path: Path, models: SimpleNamespace) -> None:
+    items = [{"i": i, "x": r.tolist()} for i, r in enumerate(rows(8))]
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", tmp_path / "o.parquet",
+                 "--workers", 1, "--batch-size", 4, "--preprocess", "tests.cli_hooks:feeds_batch",
+                 "--postprocess", "tests.cli_hooks:wrong_count")
+    assert p.returncode == 1, p.stderr
+    assert "one result per item: 4 items, got 3 results" in last_line(p), p.stderr
+
+
+# -- systematic failures stop the job ------------------------------------------------------------------
+
+
+def test_systematic_failure_stops_early_with_the_first_error(tmp_path: Path, models: SimpleNamespace) -> None:
+    n = 600
+    pq.write_table(pa.table({"id": list(range(n)), "v": [0.5] * n}), tmp_path / "t.parquet")
+    p = slabpool("run", models.mlp, tmp_path / "t.parquet", "-o", tmp_path / "o.parquet", "--workers", 2,
+                 "--preprocess", "tests.cli_hooks:needs_label")
+    assert p.returncode == 1, p.stderr
+    line = last_line(p)
+    assert line.startswith("slabpool run: error: stopped: the first") and "KeyError" in line and "label" in line
+    report = json.loads((tmp_path / "o.parquet.parts" / "report.json").read_text())
+    assert 100 <= report["computed_this_run"] < n and report["exit_status"] == 1
+
+
+@pytest.mark.parametrize(("limit", "status"), [("1", 1), ("20%", 2), ("3", 2)])
+def test_max_failures(limit: str, status: int, tmp_path: Path, models: SimpleNamespace) -> None:
+    items = [{"i": i, "x": r.tolist(), **({"bad": 1} if i in (2, 9, 15) else {})} for i, r in enumerate(rows(20))]
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", tmp_path / "o.npz", "--workers", 1,
+                 "--preprocess", "tests.cli_hooks:feeds", "--max-failures", limit)
+    assert p.returncode == status, p.stderr
+    if status == 1:
+        assert "more than --max-failures 1" in last_line(p) and "item 2 is marked bad" in last_line(p)
+
+
+def test_a_few_bad_items_are_listed_not_stopped(tmp_path: Path, models: SimpleNamespace) -> None:
+    """The default rule stops on all-failed starts only: a bad first item among good ones is fine."""
+    items = [{"i": i, "x": r.tolist(), **({"bad": 1} if i == 0 else {})} for i, r in enumerate(rows(5))]
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", tmp_path / "o.npz", "--workers", 1,
+                 "--preprocess", "tests.cli_hooks:feeds")
+    assert p.returncode == 2, p.stderr
+
+
+# -- Parquet output: strings, refusals, store order -----------------------------------------------------
+
+
+def test_string_output_to_npz_is_refused_pointing_to_parquet(tmp_path: Path, models: SimpleNamespace) -> None:
+    np.save(tmp_path / "in.npy", rows(30))
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npz", "--workers", 1,
+                 "--postprocess", "tests.cli_hooks:label")
+    assert p.returncode == 1, p.stderr
+    assert "output 'label' holds" in last_line(p) and ".parquet" in last_line(p)
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_keep_needs_parquet_and_a_known_column(tmp_path: Path, models: SimpleNamespace) -> None:
+    np.save(tmp_path / "in.npy", rows(3))
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npz", "--keep", "id")
+    assert p.returncode == 1 and "--keep needs a .parquet OUTPUT" in p.stderr
+    pq.write_table(pa.table({"x": rows(2).tolist()}), tmp_path / "t.parquet")
+    p = slabpool("run", models.mlp, tmp_path / "t.parquet", "-o", tmp_path / "o.parquet", "--keep", "id")
+    assert p.returncode == 1 and "no such column; it offers x" in p.stderr, p.stderr
+
+
+def test_missing_pyarrow_is_a_clear_error(tmp_path: Path, models: SimpleNamespace) -> None:
+    pq.write_table(pa.table({"x": rows(2).tolist()}), tmp_path / "t.parquet")
+    code = ("import sys; sys.modules['pyarrow'] = None; from slabpool.engine.cli import main; "
+            f"sys.exit(main(['run', {str(models.mlp)!r}, {str(tmp_path / 't.parquet')!r}, '-o', "
+            f"{str(tmp_path / 'o.npz')!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=DEADLINE)
+    assert p.returncode == 1
+    assert "needs pyarrow: pip install 'slabpool[parquet]'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_parquet_store_assembles_input_order_across_runs(tmp_path: Path) -> None:
+    """Shards committed out of order (a resumed run fills holes) come back in input order;
+    failed rows are null with their error; a shard of failures only has no output columns."""
+    parts = tmp_path / "o.parquet.parts"
+    store = Store.open(parts, {"job": 1}, resume=False, overwrite=False, parquet=True,
+                       keep_types={"id": pa.string()})
+    schema = {"y": ("<f4", (2,)), "label": ("py", ())}
+
+    def cols(idx: list[int]) -> dict[str, Any]:
+        return {"y": np.asarray([[i, -i] for i in idx], dtype=np.float32), "label": [f"L{i}" for i in idx]}
+
+    kept = {i: {"id": f"#{i}"} for i in range(8)}
+    store.commit(np.array([5, 6, 7]), cols([5, 6, 7]), [Failure(4, "ValueError", "bad", 1)], kept=kept, schema=schema)
+    store.commit(np.zeros(0, np.int64), {}, [Failure(3, "PoisonTask", "died", 2)], kept=kept, schema=schema)
+    store.commit(np.array([0, 2, 1]), cols([0, 2, 1]), [], kept=kept, schema=schema)
+    out = tmp_path / "o.parquet"
+    with open(out, "wb") as f:
+        job_parquet.assemble(store.shard_paths(), 8, ("id",), f)
+    store.close()
+    t = pq.read_table(out)
+    assert t.column("id").to_pylist() == [f"#{i}" for i in range(8)]
+    assert t.column("label").to_pylist() == ["L0", "L1", "L2", None, None, "L5", "L6", "L7"]
+    assert t.column("y").to_pylist()[1] == [1.0, -1.0] and t.column("y").to_pylist()[3] is None
+    assert t.column("error").to_pylist()[3:5] == ["PoisonTask: died", "ValueError: bad"]
+    reopened = Store.open(parts, {"job": 1}, resume=True, overwrite=False, parquet=True,
+                          keep_types={"id": pa.string()})
+    try:
+        assert reopened.settled() == set(range(8)) and reopened.schema() == schema
+    finally:
+        reopened.close()
+
+
+def test_lines_source_keeps_line_numbers(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"v": 1}\n\n{"v": 2}\n')
+    src = open_source(tmp_path / "a.jsonl", hook=True)
+    src.choose_keep(["line"])
+    got = [(i, get(), kept) for i, get, kept in src.items()]
+    assert got == [(0, {"v": 1}, {"line": 1}), (1, {"v": 2}, {"line": 3})]
