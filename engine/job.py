@@ -304,10 +304,11 @@ class Progress:
     def line(self, settled: int, failed: int, restarts: int) -> None:
         self.last_line = now = time.monotonic()
         rate = (settled - self.initial) / max(now - self.start, 1e-9)
-        eta = (self.total - settled) / rate if rate > 0 else float("inf")
+        left = self.total - settled
+        eta = "0 s" if left <= 0 else f"{left / rate:.0f} s" if rate > 0 else "unknown"
         pct = 100.0 * settled / max(self.total, 1)
         self.note(f"progress: {settled}/{self.total} items ({pct:.0f}%), {rate:.1f} items/s, "
-                  f"eta {eta:.0f} s, restarts {restarts}, failed {failed}")
+                  f"eta {eta}, restarts {restarts}, failed {failed}")
 
     def note(self, message: str) -> None:
         if self.bar is not None:
@@ -766,6 +767,11 @@ class _Run:
 def summary(outcome: JobOutcome) -> list[str]:
     """The lines printed at the end of a run."""
     r = outcome.report
+    if r["complete"] and not r["computed_this_run"] and not r["workers"]:  # all durable already
+        return [f"items {r['items']}: all already durable, nothing to compute "
+                f"({r['failed']} failed, listed in {Path(r['parts']) / 'failures.jsonl'})" if r["failed"] else
+                f"items {r['items']}: all already durable, nothing to compute",
+                *outcome.notes, f"output: {r['output']}"]
     lat = r["latency_s"]
     lines = [
         f"items {r['items']}: computed {r['computed_this_run']} this run, {r['skipped_durable']} already durable, "

@@ -140,3 +140,14 @@ def test_shutdown_without_waiting_returns_and_still_finishes(models) -> None:
     assert all(f.result(timeout=DEADLINE).outputs["logits"].shape[0] == 1 for f in futs)
     eng.close()  # joins: nothing is left behind
     assert eng.state.name == "CLOSED"
+
+
+def test_a_fully_resumed_run_says_there_was_nothing_to_compute(tmp_path: Path, models) -> None:
+    np.save(tmp_path / "in.npy", np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32))
+    first = cli("run", models.mlp, "in.npy", "-o", "out.npy", "--workers", 1, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = cli("run", models.mlp, "in.npy", "-o", "out.npy", "--workers", 1, "--resume", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    lines = again.stdout.splitlines()
+    assert lines[0] == "items 40: all already durable, nothing to compute" and lines[-1] == "output: out.npy"
+    assert "inf" not in again.stderr and "0 workers" not in again.stdout
