@@ -43,6 +43,15 @@ BISECT = (E.SessionRunError, E.PoisonTask, E.WorkerCrashed, E.TaskTimeout, E.Shm
           E.InputContractError)
 
 
+class RowsUnreadable(Exception):
+    """Raised by a block's `submit` when its rows cannot be read (a null table cell): those
+    rows fail with `error`, not cut further (the reader already gave them a block of their own)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def rows_of(feeds: Any) -> tuple[dict[str, Array], int]:
     """The inputs as a dict of arrays sharing their length on axis 0, and that length."""
     arrays = {"": feeds} if isinstance(feeds, np.ndarray) else feeds
@@ -122,8 +131,8 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
                stop: Callable[[], bool] | None = None) -> Generator[Piece, None, None]:
     """Pieces covering every run [lo, hi), in order, at most `window` blocks in flight.
 
-    `submit(lo, hi)` hands one block to the engine. A block that fails with a BISECT error is
-    cut in two (both halves go to the head of the line: order holds), down to single rows; a
+    `submit(lo, hi)` hands one block to the engine (or raises RowsUnreadable: those rows fail
+    with its error). A block that fails with a BISECT error is cut in two (both halves go to the head of the line: order holds), down to single rows; a
     row that still fails is a Piece with its error. An error of the engine itself (closed,
     broken) propagates. Once `stop()` is true no new block starts (those in flight finish).
     Abandoning the iterator cancels the blocks still queued."""
@@ -141,6 +150,9 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
             lo, hi, fut = pending.popleft()
             try:
                 res = fut.result()
+            except RowsUnreadable as exc:
+                yield Piece(lo, hi, error=exc.error)
+                continue
             except BISECT as exc:
                 if hi - lo == 1 or _whole(exc):
                     yield Piece(lo, hi, error=exc)
@@ -168,7 +180,7 @@ def _guarded(submit: Submit, lo: int, hi: int) -> Future[Result]:
     """submit(lo, hi), or a Future holding the row error it raised at the door."""
     try:
         return submit(lo, hi)
-    except BISECT as exc:
+    except (*BISECT, RowsUnreadable) as exc:
         fut: Future[Result] = Future()
         fut.set_exception(exc)
         return fut

@@ -8,9 +8,10 @@
   are settled (a row or a failure)
 2 start the Engine; without a preprocess the first item is checked against the model (one
   error up front, not one per item); send the other items, a bounded window in flight:
-  - rows of .npy/.npz (no hooks, a batchable model): blocks of rows, one task each, read
-    straight from the memory-mapped file (engine/blocks.py; a failing block is cut down to
-    its failing rows);
+  - rows of .npy/.npz or of a Parquet/CSV/Arrow table (no hooks, a batchable model): blocks
+    of rows, one task each, read straight from the memory-mapped file, or from the table's
+    record batches gathered into contiguous arrays (engine/blocks.py; a failing block is cut
+    down to its failing rows; a null or ragged cell fails its row alone);
   - any other source: Engine.map (tiny items many to a task, each item its own outcome);
     with batched hooks (engine.job_hooks) an item of the map is a list of --batch-size items
 3 take results in input order; a failed item (row) is recorded, not fatal, unless failures
@@ -46,7 +47,7 @@ from typing import Any, Literal, TextIO
 import numpy as np
 
 from slabpool.engine import job_hooks, job_parquet
-from slabpool.engine.blocks import BlockSizer, Piece, row_bytes, run_blocks
+from slabpool.engine.blocks import BlockSizer, Piece, run_blocks
 from slabpool.engine.job_io import (
     Array,
     Failure,
@@ -62,7 +63,7 @@ from slabpool.engine.job_io import (
     write_atomic,
     write_json,
 )
-from slabpool.engine.job_sources import Source, open_source
+from slabpool.engine.job_sources import RowReader, Source, open_source
 from slabpool.engine.task import Result
 from slabpool.workers import contract
 from slabpool.workers import errors as E
@@ -174,9 +175,11 @@ class Collector:
 
     def __init__(self, store: Store, strip_batch: bool, schema: Schema | None) -> None:
         self.store, self.strip_batch, self.schema = store, strip_batch, schema
-        self.parts: list[tuple[Array, dict[str, Any]]] = []  # (item indices, outputs with rows on axis 0)
+        self.keep_names = tuple(store.keep_types)
+        # (item indices, outputs with rows on axis 0, --keep values of those items)
+        self.parts: list[tuple[Array, dict[str, Any], dict[str, list[Any]]]] = []
         self.failures: list[Failure] = []
-        self.kept: dict[int, dict[str, Any]] = {}  # --keep values of the buffered items
+        self.failed_kept: dict[str, list[Any]] = {k: [] for k in self.keep_names}  # --keep of the failures
         self.first_failure: Failure | None = None
         self.latencies: list[float] = []
         self.done = self.failed = 0
@@ -185,44 +188,46 @@ class Collector:
 
     def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
         """One item's outcome (a task of one item, or an item of a chunk)."""
-        if self.store.keep_types:
-            self.kept[index] = kept or {}
+        keep = {k: [(kept or {}).get(k)] for k in self.keep_names}
         if isinstance(outcome, Result):
             try:
                 rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
-                               reserved=tuple(self.store.keep_types))  # numeric unless Parquet: checked there
+                               reserved=self.keep_names)  # numeric unless Parquet: checked there
                 if self.schema is None:
                     self.schema = schema_of(rows)
                 check_rows(rows, self.schema)
             except RowError as exc:
-                return self._fail(index, exc, outcome.attempts)
+                return self._fail(index, exc, outcome.attempts, keep)
             cols = ({k: [v] for k, v in rows.items()} if self.store.parquet
                     else {k: v[None] for k, v in rows.items()})
-            self._keep(np.array([index], dtype=np.int64), cols)
+            self._keep(np.array([index], dtype=np.int64), cols, keep)
             self.latencies.append(outcome.timings.total)
         elif isinstance(outcome, ITEM_ERRORS):
-            self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1)
+            self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1, keep)
         else:  # the pool itself broke (or a bug): not an item's fault
             raise outcome
 
-    def add_block(self, piece: Piece, latency: float) -> None:
-        """Rows [lo, hi) of a block: its outputs, or one failure per row (a row cut alone)."""
-        if piece.error is not None:
-            if not isinstance(piece.error, ITEM_ERRORS):
-                raise piece.error
-            for i in range(piece.lo, piece.hi):
-                self._fail(i, piece.error, len(getattr(piece.error, "crashes", ())) or 1)
-            return
-        assert piece.outputs is not None
-        try:
+    def add_block(self, piece: Piece, latency: float, kept: dict[str, list[Any]] | None = None) -> None:
+        """Rows [lo, hi) of a block: its outputs, or one failure per row (a row cut alone).
+        `kept`: the rows' --keep values, one list per column."""
+        keep = {k: (kept or {}).get(k) or [None] * (piece.hi - piece.lo) for k in self.keep_names}
+        error: BaseException | None = piece.error
+        if error is None:
+            assert piece.outputs is not None
             cols = {str(k): np.asarray(v) for k, v in piece.outputs.items()}
-            self._check({k: v[0] for k, v in cols.items()} if piece.hi > piece.lo else {})
-        except RowError as exc:
-            for i in range(piece.lo, piece.hi):
-                self._fail(i, exc, 1)
-            return
-        self._keep(np.arange(piece.lo, piece.hi, dtype=np.int64), cols)
-        self.latencies.append(latency)
+            try:
+                self._check({k: v[0] for k, v in cols.items()} if piece.hi > piece.lo else {})
+            except RowError as exc:
+                error = exc
+            else:
+                self._keep(np.arange(piece.lo, piece.hi, dtype=np.int64), cols, keep)
+                self.latencies.append(latency)
+                return
+        if not isinstance(error, ITEM_ERRORS):
+            raise error
+        attempts = len(getattr(error, "crashes", ())) or 1
+        for j, i in enumerate(range(piece.lo, piece.hi)):
+            self._fail(i, error, attempts, {k: v[j : j + 1] for k, v in keep.items()})
 
     def _check(self, rows: dict[str, Array]) -> None:
         for name, a in rows.items():
@@ -232,16 +237,18 @@ class Collector:
             self.schema = schema_of(rows)
         check_rows(rows, self.schema)
 
-    def _keep(self, indices: Array, cols: dict[str, Any]) -> None:
-        self.parts.append((indices, cols))
+    def _keep(self, indices: Array, cols: dict[str, Any], keep: dict[str, list[Any]]) -> None:
+        self.parts.append((indices, cols, keep))
         self.done += len(indices)
         self.pending_rows += len(indices)
         self.pending_bytes += sum(getattr(v, "nbytes", 64 * len(v)) for v in cols.values())
 
-    def _fail(self, index: int, exc: BaseException, attempts: int) -> None:
+    def _fail(self, index: int, exc: BaseException, attempts: int, keep: dict[str, list[Any]]) -> None:
         message = (str(exc).strip().splitlines() or [""])[0]
         failure = Failure(index, type(exc).__name__, message, attempts)
         self.failures.append(failure)
+        for k, v in keep.items():
+            self.failed_kept[k].extend(v)
         self.first_failure = self.first_failure or failure
         self.failed += 1
 
@@ -254,11 +261,14 @@ class Collector:
 
     def commit(self) -> None:  # step 4
         if self.parts or self.failures:
-            indices = np.concatenate([i for i, _ in self.parts]) if self.parts else np.zeros(0, np.int64)
-            cols = ({k: _join([c[k] for _, c in self.parts]) for k in self.parts[0][1]}
-                    if len(self.parts) > 1 else self.parts[0][1] if self.parts else {})
-            self.store.commit(indices, cols, self.failures, kept=self.kept, schema=self.schema)
-        self.parts, self.failures, self.kept = [], [], {}
+            parts = self.parts
+            indices = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+            cols = ({k: _join([p[1][k] for p in parts]) for k in parts[0][1]}
+                    if len(parts) > 1 else parts[0][1] if parts else {})
+            kept = {k: [*(v for p in parts for v in p[2][k]), *self.failed_kept[k]] for k in self.keep_names}
+            self.store.commit(indices, cols, self.failures, kept=kept, schema=self.schema)
+        self.parts, self.failures = [], []
+        self.failed_kept = {k: [] for k in self.keep_names}
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
 
@@ -488,25 +498,27 @@ class _Run:
     def execute(self, source: Source, todo: list[tuple[int, int]]) -> None:
         intr = self.intr
         self.todo = sum(b - a for a, b in todo)
-        eng = self._start(blocks_possible=source.rows is not None and not self.batched)
+        eng = self._start(blocks_possible=source.blockable and not self.batched)
+        reader: RowReader | None = None
         try:
             self.describe = eng.describe()
             if self.spec.model is not None:
                 source.bind(self.describe.inputs)
                 self._check_outputs()
-                self._check_first(source, todo)
+            reader = source.row_reader(todo) if self._by_blocks(source) else None
+            if self.spec.model is not None:
+                self._check_first(source, todo, reader)
         except BaseException:
             eng.close(cancel_pending=True, timeout=10)
             raise
         self.startup_s = time.monotonic() - self.t0
         t1 = self.collector.last_commit = time.monotonic()
         self.progress.begin()
-        by_blocks = self._by_blocks(source)
-        self.mode = "blocks" if by_blocks else "chunks"
+        self.mode = "blocks" if reader is not None else "chunks"
         try:
             try:
-                if by_blocks:
-                    self._loop_blocks(eng, source, todo, intr)
+                if reader is not None:
+                    self._loop_blocks(eng, reader, todo, intr)
                 else:
                     self._loop_items(eng, source, todo, intr)
             except StopNow:
@@ -532,18 +544,23 @@ class _Run:
                 raise JobError(f"model output {s.name!r} holds {np.dtype(s.dtype)} values; .npy/.npz/folder "
                                "OUTPUTs keep numbers only: use -o OUT.parquet")
 
-    def _check_first(self, source: Source, todo: list[tuple[int, int]]) -> None:
+    def _check_first(self, source: Source, todo: list[tuple[int, int]], reader: RowReader | None) -> None:
         """Without a preprocess every item has the first one's dtype: one error up front (not
-        one per item) when it does not fit the model."""
+        one per item) when it does not fit the model. By blocks: the first readable row."""
         if self.spec.preprocess is not None:
             return
-        first = next(_pending(source, todo), None)
-        if first is None:
-            return
-        try:
-            item = first[1]()
-        except (OSError, ValueError):
-            return  # an unreadable first item fails alone
+        if reader is not None:
+            item = reader.first()
+            if item is None:
+                return
+        else:
+            first = next(_pending(source, todo), None)
+            if first is None:
+                return
+            try:
+                item = first[1]()
+            except (OSError, ValueError):
+                return  # an unreadable first item fails alone
         specs = self.describe.inputs
         try:
             contract.check(contract.normalize(item, specs), specs)
@@ -551,10 +568,12 @@ class _Run:
             raise JobError(f"{self.spec.input} does not fit the model: {exc}") from exc
 
     def _by_blocks(self, source: Source) -> bool:
-        """Rows of arrays, a model that takes any number of rows, nothing per item: blocks."""
-        s = self.spec
-        return (source.rows is not None and s.model is not None and s.preprocess is None
-                and s.postprocess is None and not self.batched and bool(self.describe and self.describe.batchable))
+        """Rows of arrays or of a table, a model that takes any number of rows and gives
+        numbers, nothing per item: blocks."""
+        s, d = self.spec, self.describe
+        numeric = d is not None and all(np.dtype(o.dtype).kind not in "OUS" for o in d.outputs)
+        return (source.blockable and s.model is not None and s.preprocess is None and s.postprocess is None
+                and not self.batched and bool(d and d.batchable) and numeric)
 
     def _start(self, *, blocks_possible: bool) -> Any:
         from slabpool.engine.api import Engine
@@ -595,27 +614,25 @@ class _Run:
             post = fn if s.batched or getattr(fn, "batched", False) else functools.partial(job_hooks.each_post, fn)
         return pre, post
 
-    def _loop_blocks(self, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
-        """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file."""
-        assert source.rows is not None
-        read = source.rows
+    def _loop_blocks(self, eng: Any, reader: RowReader, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+        """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file, or
+        from a table's spans read front to back (engine.job_sources.RowReader)."""
         window = 2 * self.workers
-        first = read(todo[0][0], todo[0][0])
-        arrays = first if isinstance(first, dict) else {"": first}
-        sizer = BlockSizer(self.spec.batch_size or "auto", row_bytes(arrays), eng.config.shm_capacity, window)
+        sizer = BlockSizer(self.spec.batch_size or "auto", reader.row_bytes(), eng.config.shm_capacity, window)
 
         def submit(lo: int, hi: int) -> Future[Result]:
-            return eng._submit_rows(read(lo, hi), None, None)  # type: ignore[no-any-return]
+            return eng._submit_rows(reader.read(lo, hi), None, None)  # type: ignore[no-any-return]
 
         started = time.monotonic()
-        pieces = run_blocks(submit, todo, sizer, window, stop=lambda: intr.count > 0)
+        pieces = run_blocks(submit, reader.runs(), sizer, window, stop=lambda: intr.count > 0)
         total = sum(b - a for a, b in todo)
         eng._tally(accepted=total)  # the rows handed in; their blocks are tasks of no items
         settled = 0
         try:
             while (piece := intr.wait(pieces)) is not None:
                 now = time.monotonic()
-                self.collector.add_block(piece, now - started)
+                self.collector.add_block(piece, now - started, reader.kept(piece.lo, piece.hi))
+                reader.release(piece.hi)
                 started = now
                 rows = piece.hi - piece.lo
                 settled += rows

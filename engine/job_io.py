@@ -362,11 +362,12 @@ class Store:
         return None
 
     def commit(self, indices: Array, columns: dict[str, Any], failures: list[Failure], *,
-               kept: dict[int, dict[str, Any]] | None = None, schema: Schema | None = None) -> Entry:
+               kept: dict[str, list[Any]] | None = None, schema: Schema | None = None) -> Entry:
         """Make one shard durable, then journal it. `columns`: every output, row k of each
         belonging to item `indices[k]` (int64); a shard of no rows settles failures only.
         Parquet: `columns` may be lists (values stored as they are), `kept` holds the --keep
-        values by item index, `schema` the outputs' (a shard is written for failures too)."""
+        columns (the done items' values, then the failures'), `schema` the outputs' (a shard
+        is written for failures too)."""
         name, size, dig = None, 0, ""
         if self.parquet:
             name = self._parquet_shard(indices, columns, failures, kept or {}, schema or {})
@@ -388,11 +389,12 @@ class Store:
         return entry
 
     def _parquet_shard(self, indices: Array, columns: dict[str, Any], failures: list[Failure],
-                       kept: dict[int, dict[str, Any]], schema: Schema) -> str:
-        every = [*np.asarray(indices).tolist(), *(f.index for f in failures)]
-        keep = {k: [kept.get(i, {}).get(k) for i in every] for k in self.keep_types}
+                       kept: dict[str, list[Any]], schema: Schema) -> str:
+        count = len(indices) + len(failures)
+        keep = {k: kept.get(k) or [None] * count for k in self.keep_types}
         failed = [(f.index, f"{f.error}: {f.message}") for f in failures]
-        name = f"shard-{min(every):09d}-{len(every):06d}.parquet"
+        first = min([*([int(np.min(indices))] if len(indices) else []), *(f.index for f in failures)])
+        name = f"shard-{first:09d}-{count:06d}.parquet"
         write_atomic(self.shards / name,
                      lambda f: job_parquet.write_shard(f, indices, columns, failed, keep, self.keep_types, schema))
         return name

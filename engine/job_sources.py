@@ -18,6 +18,12 @@ cell) raises from `item(j)`, so that item alone fails.
 
 Tables are read with pyarrow in record batches, never whole; pyarrow is imported only for
 them (`pip install 'slabpool[parquet]'`).
+
+Row blocks (no hook, a batchable model): `Source.row_reader(todo)` gives the job's blocks their
+rows. A .npy/.npz is read at any rows (`rows(lo, hi)`, views of the mapped file); a table front
+to back (`TableSource.spans`): record batches gathered into spans of ~SPAN_BYTES, each model
+input's column turned into one contiguous array (fixed-size lists by their values buffer, no
+Python per row); a null or ragged cell makes its row a span of its own, holding the error.
 """
 
 from __future__ import annotations
@@ -25,22 +31,28 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import queue
 import sys
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from slabpool.engine.blocks import RowsUnreadable, row_bytes, slice_rows
 from slabpool.workers.protocol import TensorSpec
 
 Array = npt.NDArray[Any]
+T = TypeVar("T")
 BARE = ""  # the `rows` key of a bare array (a single-input model's input, named by the engine)
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".arrow", ".feather", ".ipc")
 READ_ROWS = 4096  # rows per record batch read from a table
+SPAN_BYTES = 8 << 20  # input bytes of a table span turned into arrays at once (row blocks)
 
 
 class JobError(Exception):
@@ -103,6 +115,16 @@ class Source:
     def label(self) -> str:
         return "stdin" if self.path is None else str(self.path)
 
+    @property
+    def blockable(self) -> bool:
+        """Items are rows of arrays (no hook): they can go as row blocks."""
+        return self.rows is not None
+
+    def row_reader(self, todo: list[tuple[int, int]]) -> RowReader:
+        """The rows of `todo` for row blocks (only when `blockable`)."""
+        assert self.rows is not None
+        return ArrayRows(todo, self.rows)
+
     def choose_keep(self, names: Sequence[str]) -> None:
         """Check --keep against what this input offers (before the engine starts)."""
         missing = [n for n in names if n not in self.keepable]
@@ -134,6 +156,178 @@ def file_fingerprint(path: Path) -> dict[str, Any]:
 def _spans(count: int, size: int) -> Iterator[tuple[int, int]]:
     for s in range(0, count, size):
         yield s, min(s + size, count)
+
+
+# -- row blocks ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Span:
+    """Rows [lo, hi) of a source as arrays (each model input's rows on axis 0), or the error
+    that makes them unreadable (a null or ragged cell: a span of one row)."""
+
+    lo: int
+    hi: int
+    arrays: dict[str, Array] | None = None
+    error: ValueError | None = None
+    keep: dict[str, list[Any]] = field(default_factory=dict)  # --keep values, one per row
+
+
+class RowReader:
+    """The rows of `todo` (sorted, disjoint runs) for the job's row blocks (engine/blocks.py).
+
+    `runs()` yields the runs that blocks are cut from, in order; `read(lo, hi)` gives the rows
+    [lo, hi) of one run as a feed (raises RowsUnreadable for rows that cannot be read);
+    `kept(lo, hi)` their --keep values; `release(upto)`: rows before `upto` are settled."""
+
+    def __init__(self, todo: list[tuple[int, int]]) -> None:
+        self.todo = todo
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        return iter(self.todo)
+
+    def read(self, lo: int, hi: int) -> Any:
+        raise NotImplementedError
+
+    def kept(self, lo: int, hi: int) -> dict[str, list[Any]]:
+        return {}
+
+    def release(self, upto: int) -> None:
+        pass
+
+    def row_bytes(self) -> int:
+        raise NotImplementedError
+
+    def first(self) -> Any:
+        """The feed of the first readable row (None when there is none): checked up front."""
+        raise NotImplementedError
+
+
+class ArrayRows(RowReader):
+    """Rows read anywhere, as views of a memory-mapped .npy or of an .npz's arrays."""
+
+    def __init__(self, todo: list[tuple[int, int]], rows: Callable[[int, int], Any]) -> None:
+        super().__init__(todo)
+        self._rows = rows
+
+    def read(self, lo: int, hi: int) -> Any:
+        return self._rows(lo, hi)
+
+    def row_bytes(self) -> int:
+        at = self.todo[0][0] if self.todo else 0
+        first = self._rows(at, at)
+        return row_bytes(first if isinstance(first, dict) else {BARE: first})
+
+    def first(self) -> Any:
+        return self._rows(self.todo[0][0], self.todo[0][0] + 1) if self.todo else None
+
+
+class SpanRows(RowReader):
+    """Rows read front to back as `Span`s (a table): a span is kept until its rows settle."""
+
+    def __init__(self, todo: list[tuple[int, int]], spans: Iterator[Span]) -> None:
+        super().__init__(todo)
+        self._spans = spans
+        self._ahead: deque[Span] = deque()  # read, not yet cut into runs
+        self._held: deque[Span] = deque()  # cut into runs, rows not all settled
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        todo = deque(self.todo)
+        while todo and (span := self._next()) is not None:
+            while todo and todo[0][1] <= span.lo:
+                todo.popleft()
+            parts = []
+            for a, b in todo:
+                if a >= span.hi:
+                    break
+                if min(b, span.hi) > max(a, span.lo):
+                    parts.append((max(a, span.lo), min(b, span.hi)))
+            if parts:
+                self._held.append(span)
+                yield from parts
+
+    def _next(self) -> Span | None:
+        return self._ahead.popleft() if self._ahead else next(self._spans, None)
+
+    def _span(self, lo: int, hi: int) -> Span:
+        for span in self._held:
+            if span.lo <= lo and hi <= span.hi:
+                return span
+        raise LookupError(f"rows [{lo}, {hi}) are not held (released, or never read)")
+
+    def read(self, lo: int, hi: int) -> Any:
+        span = self._span(lo, hi)
+        if span.arrays is None:
+            raise RowsUnreadable(span.error or ValueError("unreadable rows"))
+        return slice_rows(span.arrays, lo - span.lo, hi - span.lo)
+
+    def kept(self, lo: int, hi: int) -> dict[str, list[Any]]:
+        span = self._span(lo, hi)
+        return {k: v[lo - span.lo : hi - span.lo] for k, v in span.keep.items()}
+
+    def release(self, upto: int) -> None:
+        while self._held and self._held[0].hi <= upto:
+            self._held.popleft()
+
+    def _first_readable(self) -> Span | None:
+        """The first span with arrays, read ahead (kept for runs())."""
+        for ahead in self._ahead:
+            if ahead.arrays is not None:
+                return ahead
+        while (span := next(self._spans, None)) is not None:
+            self._ahead.append(span)
+            if span.arrays is not None:
+                return span
+        return None
+
+    def row_bytes(self) -> int:
+        span = self._first_readable()
+        return 1 if span is None or span.arrays is None else row_bytes(span.arrays)
+
+    def first(self) -> Any:
+        span = self._first_readable()
+        return None if span is None or span.arrays is None else slice_rows(span.arrays, 0, 1)
+
+
+def prefetch(items: Iterator[T], depth: int = 2) -> Iterator[T]:
+    """`items` produced ahead in a thread, at most `depth` waiting: reading a table (pyarrow
+    decodes without the GIL) overlaps the job's dispatch. Errors are raised where they fall."""
+    q: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((0, item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((1, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            q.put((2, exc))
+
+    thread = threading.Thread(target=produce, name="slabpool-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == 1:
+                return
+            if kind == 2:
+                raise value
+            yield value
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        thread.join()
 
 
 # -- arrays ----------------------------------------------------------------------------------------
@@ -321,6 +515,76 @@ class TableSource(Source):
                 raise JobError(f"{self.label}: column {spec.name!r} is {self.schema.field(spec.name).type}; "
                                "a model input needs numbers or lists of numbers (or pass --preprocess MOD:FN)")
 
+    @property
+    def blockable(self) -> bool:
+        return not self.hook
+
+    def row_reader(self, todo: list[tuple[int, int]]) -> RowReader:
+        return SpanRows(todo, prefetch(self.spans()))
+
+    def spans(self) -> Iterator[Span]:
+        """The whole table front to back as Spans: record batches gathered up to ~SPAN_BYTES,
+        each input column turned into one array; unreadable rows are spans of their own."""
+        columns = list(dict.fromkeys([*(s.name for s in self.inputs), *self.keep]))
+        start, gathered, nbytes = 0, [], 0
+        for batch in self._batches(columns, 16 * READ_ROWS):
+            gathered.append(batch)
+            nbytes += batch.nbytes
+            if nbytes >= SPAN_BYTES:
+                yield from self._spans_of(start, gathered)
+                start += sum(b.num_rows for b in gathered)
+                gathered, nbytes = [], 0
+        if gathered:
+            yield from self._spans_of(start, gathered)
+            start += sum(b.num_rows for b in gathered)
+        if start != self.count:
+            raise JobError(f"{self.label}: read {start} rows, expected {self.count} (changed while read?)")
+
+    def _spans_of(self, start: int, batches: list[Any]) -> Iterator[Span]:
+        table = self.pa.Table.from_batches(batches)
+        n = table.num_rows
+        keep = {k: table.column(k).to_pylist() for k in self.keep}
+        bad: dict[int, ValueError] = {}
+        arrays: dict[str, Array] = {}
+        for spec in self.inputs:
+            got = column_rows(self.pa, table.column(spec.name).combine_chunks(), spec.name, bad)
+            if got is None:  # ragged lists: row by row, same-shaped neighbours together
+                yield from self._row_spans(start, table, keep)
+                return
+            arrays[spec.name] = got
+        at = 0
+        for j in [*sorted(bad), n]:
+            if j > at:
+                yield Span(start + at, start + j, {k: a[at:j] for k, a in arrays.items()},
+                           keep={k: v[at:j] for k, v in keep.items()})
+            if j < n:
+                yield Span(start + j, start + j + 1, error=bad[j], keep={k: v[j : j + 1] for k, v in keep.items()})
+            at = j + 1
+
+    def _row_spans(self, start: int, table: Any, keep: dict[str, list[Any]]) -> Iterator[Span]:
+        """Each row read on its own; consecutive rows of the same shapes form one span."""
+        cols = {s.name: table.column(s.name) for s in self.inputs}
+        run: list[dict[str, Array]] = []
+
+        def flush(j: int) -> Iterator[Span]:
+            if run:
+                lo = j - len(run)
+                yield Span(start + lo, start + j, {k: np.stack([r[k] for r in run]) for k in cols},
+                           keep={k: v[lo:j] for k, v in keep.items()})
+                run.clear()
+
+        for j in range(table.num_rows):
+            try:
+                row = {k: cell_array(self.pa, c, j) for k, c in cols.items()}
+            except ValueError as exc:
+                yield from flush(j)
+                yield Span(start + j, start + j + 1, error=exc, keep={k: v[j : j + 1] for k, v in keep.items()})
+                continue
+            if run and any(run[0][k].shape != row[k].shape for k in cols):
+                yield from flush(j)
+            run.append(row)
+        yield from flush(table.num_rows)
+
     def blocks(self, size: int) -> Iterator[Block]:
         if self.hook:
             columns = None
@@ -478,6 +742,22 @@ def column_array(pa: Any, col: Any) -> Array | None:
     if _leaf_type(pa, t) is None:
         return None
     return np.asarray(col.to_numpy(zero_copy_only=False))
+
+
+def column_rows(pa: Any, col: Any, name: str, bad: dict[int, ValueError]) -> Array | None:
+    """A column as one array (rows on axis 0), its null rows zero and listed in `bad` with
+    their error; None when its lists are ragged (or hold nulls inside)."""
+    if not col.null_count:
+        return column_array(pa, col)
+    valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    good = column_array(pa, col.filter(pa.array(valid)))
+    if good is None:
+        return None
+    for j in np.flatnonzero(~valid).tolist():
+        bad.setdefault(j, ValueError(f"column {name!r} ({col.type}) is null in this row"))
+    out = np.zeros((len(col), *good.shape[1:]), dtype=good.dtype)
+    out[valid] = good
+    return out
 
 
 def cell_array(pa: Any, col: Any, j: int) -> Array:

@@ -307,10 +307,13 @@ def test_parquet_store_assembles_input_order_across_runs(tmp_path: Path) -> None
     def cols(idx: list[int]) -> dict[str, Any]:
         return {"y": np.asarray([[i, -i] for i in idx], dtype=np.float32), "label": [f"L{i}" for i in idx]}
 
-    kept = {i: {"id": f"#{i}"} for i in range(8)}
-    store.commit(np.array([5, 6, 7]), cols([5, 6, 7]), [Failure(4, "ValueError", "bad", 1)], kept=kept, schema=schema)
-    store.commit(np.zeros(0, np.int64), {}, [Failure(3, "PoisonTask", "died", 2)], kept=kept, schema=schema)
-    store.commit(np.array([0, 2, 1]), cols([0, 2, 1]), [], kept=kept, schema=schema)
+    def kept(idx: list[int]) -> dict[str, list[Any]]:  # the done items' values, then the failures'
+        return {"id": [f"#{i}" for i in idx]}
+
+    store.commit(np.array([5, 6, 7]), cols([5, 6, 7]), [Failure(4, "ValueError", "bad", 1)], kept=kept([5, 6, 7, 4]),
+                 schema=schema)
+    store.commit(np.zeros(0, np.int64), {}, [Failure(3, "PoisonTask", "died", 2)], kept=kept([3]), schema=schema)
+    store.commit(np.array([0, 2, 1]), cols([0, 2, 1]), [], kept=kept([0, 2, 1]), schema=schema)
     out = tmp_path / "o.parquet"
     with open(out, "wb") as f:
         job_parquet.assemble(store.shard_paths(), 8, ("id",), f)
