@@ -2,7 +2,7 @@
 
     INPUT --job_sources--> todo (runs of items not yet durable) --blocks | chunks--> Engine
                                                                                       |
-    OUTPUT <--assemble-- Store (shards + journal) <--commit, every ~1 s-- Collector (in order)
+    OUTPUT <--publish-- Store (direct rows | shards, journal) <--commit, every ~1 s-- Collector
 
 1 open INPUT (engine.job_sources) and the Store (engine.job_io); the journal says which items
   are settled (a row or a failure)
@@ -16,10 +16,12 @@
     with batched hooks (engine.job_hooks) an item of the map is a list of --batch-size items
 3 take results in input order; a failed item (row) is recorded, not fatal, unless failures
   look systematic (--max-failures; by default the first 100 all failed): the job stops, exit 1
-4 commit the buffered blocks and items as a shard (atomic) and journal it, at least every
-  `durable_every` s
-5 at the end: failures.jsonl, the single-file OUTPUT (.npy/.npz, or .parquet assembled from
-  Parquet shards by engine.job_parquet), report.json, a summary
+4 commit the buffered blocks and items, at least every `durable_every` s, and journal them:
+  .npy/.npz OUTPUT: written in place into the preallocated direct/ files (fdatasync); a
+  directory or .parquet OUTPUT: as a shard (atomic)
+5 at the end: failures.jsonl, the single-file OUTPUT (.npy hard-linked from its direct/ file,
+  .npz streamed from them, .parquet assembled from Parquet shards by engine.job_parquet),
+  report.json, a summary
 
 Ctrl-C or SIGTERM: stop submitting, finish what is in flight, commit, exit 130/143. A second
 one stops now (close(cancel_pending=True)); what was committed stays committed. The handlers
@@ -55,9 +57,7 @@ from slabpool.engine.job_io import (
     RowError,
     Schema,
     Store,
-    assemble,
     check_rows,
-    save_output,
     schema_of,
     to_rows,
     write_atomic,
@@ -260,7 +260,9 @@ class Collector:
         return full or time.monotonic() - self.last_commit >= every
 
     def commit(self) -> None:  # step 4
-        if self.parts or self.failures:
+        if self.store.direct and (self.parts or self.failures):
+            self.store.commit_direct([(i, c) for i, c, _ in self.parts], self.failures, self.schema)
+        elif self.parts or self.failures:
             parts = self.parts
             indices = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
             cols = ({k: _join([p[1][k] for p in parts]) for k in parts[0][1]}
@@ -388,8 +390,10 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
         raise JobError(f"--keep needs a .parquet OUTPUT (got {spec.output.name}): .npy/.npz hold numbers only")
     source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
     source.choose_keep(spec.keep)
+    direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
     store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite,
-                       parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep})
+                       parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep},
+                       direct=direct, count=source.count)
     try:
         with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
             return _run_on(spec, source, store, t0, limit, intr, stream)
@@ -734,12 +738,10 @@ class _Run:
             else:
                 notes.append(f"the input holds no items: {spec.output} was not written")
         elif complete and spec.single_file:
-            arrays = assemble(store, count, col.schema)
-            if arrays is None:
+            written, note = store.publish(spec.output)
+            if not written:
                 notes.append(f"no item succeeded: {spec.output} was not written")
-            else:
-                note = save_output(spec.output, arrays)
-                notes.extend([note] if note else [])
+            notes.extend([note] if note else [])
         error = None
         if self.stopped:
             status, first = 1, col.first_failure

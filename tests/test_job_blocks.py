@@ -10,6 +10,7 @@ tiny JSONL items go many to a task, a poison item inside a chunk failing alone.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -140,3 +141,85 @@ def test_tiny_jsonl_items_go_in_chunks_a_poison_item_fails_alone(tmp_path: Path,
     want = ort_run(models.mlp, {"x": x[good]})  # item by item in the workers: compare loosely
     np.testing.assert_allclose(y[good], want["probs"], rtol=1e-5, atol=1e-6)
     assert np.isnan(y[[100, 450]]).all()
+
+
+# -- .npy/.npz OUTPUT: rows written in place (direct/), no shards, no assembly ---------------------
+
+
+def test_npy_output_is_written_in_place_then_linked(tmp_path: Path, models: SimpleNamespace) -> None:
+    """The rows go straight into parts/direct/00.npy (no shard files); OUTPUT is that file,
+    hard-linked; --overwrite makes a new file, so the bytes of an earlier OUTPUT stay as they were."""
+    x = RNG.standard_normal((5000, 16)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    parts = Path(f"{out}.parts")
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", 500,
+                 "--durable-every", 0.001)
+    assert p.returncode == 0, p.stderr
+    assert "holds output 'probs', the first of 2" in p.stdout + p.stderr
+    want = serial_blocks(models.mlp, {"x": x}, 500)
+    assert np.load(out).tobytes() == want["probs"].tobytes()
+    assert not list((parts / "shards").iterdir())
+    assert os.stat(out).st_ino == os.stat(parts / "direct" / "00.npy").st_ino
+    entries = journal(parts)
+    assert len(entries) > 1 and all(e["direct"] and e["shard"] is None for e in entries)
+    np.testing.assert_array_equal(read_output(parts)["probs"], want["probs"])  # the parts read back
+
+    os.link(out, tmp_path / "first.npy")  # another name for the first run's OUTPUT
+    np.save(tmp_path / "in.npy", x[::-1].copy())
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", 500,
+                 "--overwrite")
+    assert p.returncode == 0, p.stderr
+    assert np.load(tmp_path / "first.npy").tobytes() == want["probs"].tobytes()
+    assert np.load(out).tobytes() == serial_blocks(models.mlp, {"x": x[::-1].copy()}, 500)["probs"].tobytes()
+
+
+def test_damaged_direct_rows_run_again(tmp_path: Path, models: SimpleNamespace) -> None:
+    """A commit whose rows no longer have their CRC (the file changed after the journal line) is
+    dropped on --resume: only its rows are computed again, the .npz ends byte-identical."""
+    x = RNG.standard_normal((3000, 16)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npz"
+    parts = Path(f"{out}.parts")
+    args = ["run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", 300,
+            "--durable-every", 0.001]
+    assert slabpool(*args).returncode == 0
+    with np.load(out) as z:
+        first = {k: z[k].copy() for k in z.files}
+    entries = journal(parts)
+    assert all(e["direct"] for e in entries) and len(entries) > 2
+    a, b = entries[1]["ranges"][0]  # type: ignore[index]
+    direct = parts / "direct" / "01.npy"  # logits
+    mm = np.load(direct, mmap_mode="r+")
+    mm[a + 1] = 0.0
+    mm.flush()
+    del mm
+    p = slabpool(*args, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert "1 journal line(s) failed validation" in p.stderr
+    assert json.loads((parts / "report.json").read_text())["computed_this_run"] == b - a
+    with np.load(out) as z:
+        for k, v in first.items():
+            assert z[k].tobytes() == v.tobytes(), k
+
+
+def test_resume_over_shards_of_an_earlier_version(tmp_path: Path, models: SimpleNamespace) -> None:
+    """A .npy job begun by a version that kept shards resumes: those rows are copied into the
+    direct file once, the rest computed, the OUTPUT complete."""
+    from slabpool.engine.job import JobSpec, fingerprint
+    from slabpool.engine.job_io import Store
+    from slabpool.engine.job_sources import open_source
+
+    x = RNG.standard_normal((1000, 16)).astype(np.float32)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    spec = JobSpec(models.mlp, tmp_path / "in.npy", out)
+    store = Store.open(spec.parts, fingerprint(spec, open_source(spec.input, hook=False)), resume=False,
+                       overwrite=False)  # the shard layout
+    done = np.arange(200, 450)
+    store.commit(done, ort_run(models.mlp, {"x": x[done]}), [])
+    store.close()
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((spec.parts / "report.json").read_text())["computed_this_run"] == 1000 - len(done)
+    np.testing.assert_allclose(np.load(out), ort_run(models.mlp, {"x": x})["probs"], rtol=1e-5, atol=1e-6)
