@@ -71,6 +71,7 @@ from slabpool.workers import errors as E
 MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
 BATCHED_DEFAULT = 64  # items per hook call with batched hooks when --batch-size is not given
 SYSTEMATIC = 100  # by default the job stops when this many first settled items all failed
+TICK_S = 0.005  # between outcomes, commits and progress are looked at this often at most
 
 
 @dataclass(frozen=True)
@@ -185,27 +186,78 @@ class Collector:
         self.done = self.failed = 0
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
+        # items settled one by one, gathered as columns until the next block or commit (a part)
+        self.item_indices: list[int] = []
+        self.item_cols: dict[str, list[Any]] = {}
+        self.item_keep: dict[str, list[Any]] = {k: [] for k in self.keep_names}
+        self.item_bytes = 0  # bytes of one item's rows (from the schema)
+        self._expect: tuple[Schema, list[tuple[str, np.dtype[Any], tuple[int, ...]]]] | None = None
 
     def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
         """One item's outcome (a task of one item, or an item of a chunk)."""
-        keep = {k: [(kept or {}).get(k)] for k in self.keep_names}
         if isinstance(outcome, Result):
-            try:
-                rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
-                               reserved=self.keep_names)  # numeric unless Parquet: checked there
-                if self.schema is None:
-                    self.schema = schema_of(rows)
-                check_rows(rows, self.schema)
-            except RowError as exc:
-                return self._fail(index, exc, outcome.attempts, keep)
-            cols = ({k: [v] for k, v in rows.items()} if self.store.parquet
-                    else {k: v[None] for k, v in rows.items()})
-            self._keep(np.array([index], dtype=np.int64), cols, keep)
+            rows = self._fast_rows(outcome.outputs)
+            if rows is None:
+                try:
+                    rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
+                                   reserved=self.keep_names)  # numeric unless Parquet: checked there
+                    if self.schema is None:
+                        self.schema = schema_of(rows)
+                    check_rows(rows, self.schema)
+                except RowError as exc:
+                    return self._fail(index, exc, outcome.attempts, self._kept_one(kept))
+            if not self.item_indices:
+                self.item_cols = {k: [] for k in rows}
+                self.item_bytes = sum(getattr(v, "nbytes", 64) for v in rows.values())
+            self.item_indices.append(index)
+            for k, v in rows.items():
+                self.item_cols[k].append(v)
+            for k, values in self.item_keep.items():
+                values.append(kept.get(k) if kept else None)
+            self.done += 1
+            self.pending_rows += 1
+            self.pending_bytes += self.item_bytes
             self.latencies.append(outcome.timings.total)
         elif isinstance(outcome, ITEM_ERRORS):
-            self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1, keep)
+            self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1, self._kept_one(kept))
         else:  # the pool itself broke (or a bug): not an item's fault
             raise outcome
+
+    def _fast_rows(self, outputs: Any) -> dict[str, Array] | None:
+        """What to_rows + check_rows give, for the common case only (a dict of the first item's
+        names, numeric arrays of its dtypes and shapes); None: take the general path."""
+        schema = self.schema
+        if schema is None or type(outputs) is not dict or len(outputs) != len(schema):
+            return None
+        if self._expect is None or self._expect[0] is not schema:
+            lead = (1,) if self.strip_batch else ()
+            self._expect = (schema, [(k, np.dtype(d), (*lead, *sh)) for k, (d, sh) in schema.items()
+                                     if d != job_parquet.PY])
+        expect = self._expect[1]
+        if len(expect) != len(schema):
+            return None
+        rows = {}
+        for name, dtype, shape in expect:
+            a = outputs.get(name)
+            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+                return None
+            rows[name] = a[0] if self.strip_batch else a
+        return rows
+
+    def _kept_one(self, kept: dict[str, Any] | None) -> dict[str, list[Any]]:
+        return {k: [kept.get(k) if kept else None] for k in self.keep_names}
+
+    def _flush_items(self) -> None:
+        """The items gathered one by one become one part: each output's rows stacked (a
+        Parquet OUTPUT's non-numeric values stay a list)."""
+        if not self.item_indices:
+            return
+        schema = self.schema or {}
+        cols = {k: v if schema.get(k, ("py",))[0] == job_parquet.PY else np.stack(v)
+                for k, v in self.item_cols.items()}
+        self.parts.append((np.asarray(self.item_indices, dtype=np.int64), cols, self.item_keep))
+        self.item_indices, self.item_cols = [], {}
+        self.item_keep = {k: [] for k in self.keep_names}
 
     def add_block(self, piece: Piece, latency: float, kept: dict[str, list[Any]] | None = None) -> None:
         """Rows [lo, hi) of a block: its outputs, or one failure per row (a row cut alone).
@@ -238,6 +290,7 @@ class Collector:
         check_rows(rows, self.schema)
 
     def _keep(self, indices: Array, cols: dict[str, Any], keep: dict[str, list[Any]]) -> None:
+        self._flush_items()  # parts stay in the order they settled
         self.parts.append((indices, cols, keep))
         self.done += len(indices)
         self.pending_rows += len(indices)
@@ -256,10 +309,12 @@ class Collector:
         pending = self.pending_rows + len(self.failures)
         if not pending:
             return False
-        full = len(self.parts) + len(self.failures) >= MAX_SHARD_ITEMS or self.pending_bytes >= MAX_SHARD_BYTES
+        full = (len(self.parts) + len(self.item_indices) + len(self.failures) >= MAX_SHARD_ITEMS
+                or self.pending_bytes >= MAX_SHARD_BYTES)
         return full or time.monotonic() - self.last_commit >= every
 
     def commit(self) -> None:  # step 4
+        self._flush_items()
         if self.store.direct and (self.parts or self.failures):
             self.store.commit_direct([(i, c) for i, c, _ in self.parts], self.failures, self.schema)
         elif self.parts or self.failures:
@@ -492,7 +547,7 @@ class _Run:
         self.workers = 0
         self.mode = ""
         self.draining = False
-        self.last_stats = 0.0
+        self.last_stats = self.next_tick = 0.0
         self.restarts = 0
         self.todo = 0
         pre, post = spec.preprocess, spec.postprocess
@@ -654,6 +709,21 @@ class _Run:
         col = self.collector
         pending = _pending(source, todo)
 
+        def each() -> Iterator[Any]:  # one item per map item: no groups to build
+            admit = self.spec.preprocess is None
+            for entry in pending:
+                if intr.count:
+                    return
+                try:
+                    item = entry[1]()
+                    if admit:
+                        eng._admit(item)  # refused at the door: this item alone fails
+                except ITEM_ERRORS as exc:
+                    col.add(entry[0], exc, entry[2])
+                    continue
+                order.append([entry])
+                yield item
+
         def items() -> Iterator[Any]:
             while not intr.count and (group := list(itertools.islice(pending, self.chunk))):
                 got = []
@@ -670,7 +740,7 @@ class _Run:
                     order.append([e for e, _ in got])
                     yield [it for _, it in got] if self.batched else got[0][1]
 
-        outcomes = eng.map(items(), return_exceptions=True)
+        outcomes = eng.map(items() if self.batched else each(), return_exceptions=True)
         try:
             while (outcome := intr.wait(outcomes)) is not None:
                 self._settle(eng, order.popleft(), outcome)
@@ -706,16 +776,19 @@ class _Run:
     def _tick(self, eng: Any, intr: Interrupts) -> None:
         """Between outcomes: commit when due (step 4), the progress display, the first signal's note."""
         col = self.collector
-        why = self.limit.exceeded(col.failed, col.done + col.failed, self.todo)
-        if why:
-            raise StopFailures(why)
+        if col.failed and (why := self.limit.exceeded(col.failed, col.done + col.failed, self.todo)):
+            raise StopFailures(why)  # (no failure: no limit can be crossed)
+        now = time.monotonic()
+        if now < self.next_tick and not intr.count:
+            return  # tiny items settle thousands a second: the rest is looked at every TICK_S
+        self.next_tick = now + TICK_S
         if intr.count and not self.draining:
             self.draining = True
             self.progress.note("interrupted: finishing the items in flight (press Ctrl-C again to stop now)")
         if col.due(self.spec.durable_every):
             col.commit()
-        if time.monotonic() - self.last_stats >= 0.5:
-            self.last_stats = time.monotonic()
+        if now - self.last_stats >= 0.5:
+            self.last_stats = now
             self.restarts = self._sample(eng)
         self.progress.update(self.progress.initial + col.done + col.failed, col.failed, self.restarts)
 

@@ -68,9 +68,10 @@ def to_rows(outputs: Any, *, strip_batch: bool, parquet: bool = False,
     if not isinstance(outputs, dict):
         outputs = {"output": outputs}
     rows: dict[str, Any] = {}
+    taken = (INDEX_KEY, job_parquet.ERROR_KEY, *reserved) if parquet else (INDEX_KEY, *reserved)
     for key, value in outputs.items():
-        name = str(key)
-        if name in (INDEX_KEY, *((job_parquet.ERROR_KEY,) if parquet else ()), *reserved):
+        name = key if type(key) is str else str(key)
+        if name in taken:
             raise JobError(f"an output is named {name!r}, which the OUTPUT already uses for "
                            f"{'a --keep column' if name in reserved else 'its own column'}: rename it")
         if parquet and not isinstance(value, np.ndarray | np.generic):

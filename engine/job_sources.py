@@ -55,6 +55,9 @@ READ_ROWS = 4096  # rows per record batch read from a table
 SPAN_BYTES = 8 << 20  # input bytes of a table span turned into arrays at once (row blocks)
 
 
+_NO_KEEP: dict[str, Any] = {}  # the kept values of an item when nothing is kept (never changed)
+
+
 class JobError(Exception):
     """The job cannot run (bad input, mismatched OUTPUT, ...): one line for the user."""
 
@@ -90,7 +93,7 @@ class Block:
         return self.load(value) if self.load is not None else value
 
     def kept(self, j: int) -> dict[str, Any]:
-        return {k: v[j] for k, v in self.keep.items()}
+        return {k: v[j] for k, v in self.keep.items()} if self.keep else _NO_KEEP
 
 
 class Source:

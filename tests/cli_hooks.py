@@ -99,3 +99,8 @@ wrong_count.batched = True  # type: ignore[attr-defined]
 def named_like_savez(outputs: dict[str, np.ndarray], item: Any) -> dict[str, np.ndarray]:
     """Outputs named after np.savez's own keywords."""
     return {"file": outputs["probs"][0], "allow_pickle": outputs["logits"][0]}
+
+
+def shaped(item: dict[str, Any]) -> np.ndarray:
+    """No model: a row of item["n"] numbers of item.get("dtype", float32) (a misfit for some)."""
+    return np.arange(item["n"], dtype=item.get("dtype", "float32")) + item["i"]

@@ -223,3 +223,21 @@ def test_resume_over_shards_of_an_earlier_version(tmp_path: Path, models: Simple
     assert p.returncode == 0, p.stderr
     assert json.loads((spec.parts / "report.json").read_text())["computed_this_run"] == 1000 - len(done)
     np.testing.assert_allclose(np.load(out), ort_run(models.mlp, {"x": x})["probs"], rtol=1e-5, atol=1e-6)
+
+
+def test_items_that_do_not_fit_the_first_rows_fail_alone(tmp_path: Path) -> None:
+    """Items settle one by one into columns: an item whose row differs from the first in shape
+    or dtype is a RowError of its own, the others stored in order (no model: the hook's rows)."""
+    items = [{"i": i, "n": 3} for i in range(300)]
+    items[7]["n"] = 4
+    items[150]["dtype"] = "float64"
+    out = tmp_path / "o.npy"
+    p = slabpool("run", jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2, "--preprocess",
+                 "tests.cli_hooks:shaped")
+    assert p.returncode == 2, p.stderr
+    failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
+    assert [(f["index"], f["error"]) for f in failures] == [(7, "RowError"), (150, "RowError")]
+    y = np.load(out)
+    good = [i for i in range(300) if i not in (7, 150)]
+    np.testing.assert_array_equal(y[good], np.arange(3, dtype=np.float32) + np.array(good, np.float32)[:, None])
+    assert np.isnan(y[[7, 150]]).all()

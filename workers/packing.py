@@ -49,7 +49,7 @@ def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
         if type(node) is Chunk:
             return Chunk(walk(v) for v in node)
         if isinstance(node, (list, tuple)):
-            if all(type(v) in _SCALARS for v in node):  # a JSON list of numbers: nothing to move
+            if _SCALARS.issuperset(map(type, node)):  # a JSON list of numbers: nothing to move
                 return node
             out = [walk(v) for v in node]
             return out if isinstance(node, list) else tuple(out)
