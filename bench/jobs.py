@@ -6,6 +6,8 @@
     jsonl  `slabpool run --preprocess` over 60k JSONL lines (a ~20 us hook, a tiny MLP)
            vs a hand-written multiprocessing.Pool.imap script (Pool.map's chunk size)
     map    Engine.map over 40k single-row items vs Pool.imap with Pool.map's chunk size
+    table  `slabpool run` on a 200k-row Parquet table (a fixed-size list column) vs the same
+           rows as a .npy (both by row blocks; the table pays its decoding)
 
 Every contender runs in its own fresh Python process (start-up included where a user runs a
 process: rows, jsonl); infer and map time the call inside the process, after start-up, as a
@@ -200,7 +202,27 @@ def map_workload(tmp: Path, items: int, workers: int) -> dict[str, Any]:
             "target": 1.0, "outputs_close": abs(s["checksum"] - p["checksum"]) < 1e-3 * items}
 
 
-WORKLOADS = {"rows": rows_workload, "infer": infer_workload, "jsonl": jsonl_workload, "map": map_workload}
+def table_workload(tmp: Path, rows: int, workers: int) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.models import onnx_models as om
+
+    model = om.mlp(tmp / "mlp64t.onnx", in_dim=64, hidden=1024, out_dim=10)
+    x = np.random.default_rng(3).standard_normal((rows, 64)).astype(np.float32)
+    np.save(tmp / "table.npy", x)
+    pq.write_table(pa.table({"id": np.arange(rows), "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 64)}),
+                   tmp / "table.parquet")
+    npy_s = _slabpool_run(model, tmp / "table.npy", "-o", tmp / "from-npy.npy", "--workers", workers)
+    table_s = _slabpool_run(model, tmp / "table.parquet", "-o", tmp / "from-table.npy", "--workers", workers)
+    a, b = np.load(tmp / "from-npy.npy"), np.load(tmp / "from-table.npy")
+    return {"workload": f"slabpool run, {rows:,}-row Parquet table", "slabpool_s": table_s,
+            "alternative": "the same rows as .npy through slabpool run", "alternative_s": npy_s,
+            "ratio": npy_s / table_s, "target": 0.5, "outputs_close": bool(np.allclose(a, b, atol=1e-6))}
+
+
+WORKLOADS = {"rows": rows_workload, "infer": infer_workload, "jsonl": jsonl_workload, "map": map_workload,
+             "table": table_workload}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every size (0.1: a quick run)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "jobs.json")
     args = p.parse_args(argv)
-    sizes = {"rows": 2_000_000, "infer": 1_000_000, "jsonl": 60_000, "map": 40_000}
+    sizes = {"rows": 2_000_000, "infer": 1_000_000, "jsonl": 60_000, "map": 40_000, "table": 200_000}
     results = []
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="slabpool-jobs-") as tmp:
