@@ -205,11 +205,13 @@ class TaskQueue:
         self._notify()
         return Batch(tasks, stack)
 
-    def push_replays(self, batches: list[Batch]) -> None:
+    def push_replays(self, batches: list[Batch], *, count: bool = True) -> None:
+        """Batches back from a slot, ahead of new work (`count`: replays after a death)."""
         with self._cond:
             self._replays.extend(batches)
             self._replays.sort(key=lambda b: b.tasks[0].id)
-            self.counters.replayed += sum(len(b.tasks) for b in batches)
+            if count:
+                self.counters.replayed += sum(len(b.tasks) for b in batches)
         self._wake()
 
     def expire(self, now: float) -> list[Task]:

@@ -33,7 +33,7 @@ from slabpool.shm import (
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.main import WorkerBoot
-from slabpool.workers.protocol import Chunk, FaultSpec, SessionInfo
+from slabpool.workers.protocol import Chunk, FaultSpec, FlatSkeleton, SessionInfo, seal
 from slabpool.workers.session import SessionSpec, detect_backend
 
 
@@ -136,6 +136,9 @@ class Engine(BaseEngine):
         deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None, units: int = 1,
     ) -> TaskFuture:
         skeleton, arrays = packing.split(item)
+        if self.config.preprocess is not None and type(skeleton) is not FlatSkeleton:
+            skeleton = seal(skeleton, "the inputs")  # user data: TypeError here, not in the engine
+        wire_context = None if context is None else seal(context, "the context")
         offsets, nbytes = packing.layout(arrays)
         if nbytes > self._inputs.capacity:
             raise E.ShmCapacityError(
@@ -165,7 +168,8 @@ class Engine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes, units=units)
+                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes, units=units,
+                        wire_context=wire_context)
 
         try:
             task = self._queue.accept(make)

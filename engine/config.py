@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import warnings
@@ -118,6 +119,7 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     ipm = kw.get("in_place_min_bytes", MiB)
     if ipm is not None and (not isinstance(ipm, int) or ipm < 0):
         raise ValueError(f"in_place_min_bytes must be a number of bytes >= 0 or None, got {ipm!r}")
+    _check_limits(kw)
     cap = kw.get("shm_capacity") or max(256 * MiB, 32 * MiB * workers)
     kw["shm_capacity"] = cap
     kw["initargs"] = tuple(kw.get("initargs", ()))
@@ -125,8 +127,46 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     return EngineConfig(model=path, workers=workers, **kw)
 
 
+MIN_SHM = 1 * MiB  # an arena smaller than this holds nothing useful (and the status words)
+
+
+def _check_limits(kw: dict[str, Any]) -> None:
+    """Times and sizes: a ValueError that names the setting and its range (NaN, 0 or a
+    negative time would make every task time out, or kill the supervisor's timer)."""
+    timeout = kw.get("task_timeout")
+    if timeout is not None and not _number(timeout, lo=0.0, lo_open=True):
+        raise ValueError(f"task_timeout must be None (no limit) or a finite number of seconds > 0, got {timeout!r}")
+    for name in ("worker_memory_limit", "max_tasks_per_worker"):
+        value = kw.get(name)
+        if value is not None and not _number(value, lo=0.0, lo_open=True, integral=True):
+            raise ValueError(f"{name} must be None (no limit) or a positive integer, got {value!r}")
+    if "startup_timeout" in kw and not _number(kw["startup_timeout"], lo=0.0, lo_open=True):
+        raise ValueError(f"startup_timeout must be a finite number of seconds > 0, got {kw['startup_timeout']!r}")
+    if "max_batch_wait_ms" in kw and not _number(kw["max_batch_wait_ms"], lo=0.0):
+        raise ValueError(f"max_batch_wait_ms must be a finite number of milliseconds >= 0, got {kw['max_batch_wait_ms']!r}")
+    if "queue_bytes" in kw and not _number(kw["queue_bytes"], lo=0.0, integral=True):
+        raise ValueError(f"queue_bytes must be a number of bytes >= 0 (0: no limit), got {kw['queue_bytes']!r}")
+    cap = kw.get("shm_capacity", 0)
+    if not _number(cap, lo=0.0, integral=True) or 0 < cap < MIN_SHM:
+        raise ValueError(f"shm_capacity must be 0 (the default) or a number of bytes >= {MIN_SHM} (1 MiB), got {cap!r}")
+    seed = kw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+
+
+def _number(value: Any, *, lo: float, lo_open: bool = False, integral: bool = False) -> bool:
+    """A real, finite number (not a bool) above `lo`; an int when `integral`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if integral and not isinstance(value, int):
+        return False
+    if not math.isfinite(value):
+        return False
+    return value > lo if lo_open else value >= lo
+
+
 def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

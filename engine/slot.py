@@ -74,10 +74,14 @@ class Slot:
 
     def send(self, msg: Any) -> bool:
         """Send a message; False if the pipe is broken (the worker is dying: its sentinel fires)."""
+        return self.send_bytes(encode(msg))
+
+    def send_bytes(self, data: bytes) -> bool:
+        """Send an encoded message; False if the pipe is broken."""
         if self.conn is None:
             return False
         try:
-            self.conn.send_bytes(encode(msg))
+            self.conn.send_bytes(data)
             return True
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             return False

@@ -33,12 +33,14 @@ from slabpool.engine.slot import Slot
 from slabpool.engine.states import SlotState, TaskState
 from slabpool.engine.task import Batch, Result, Task, Timings
 from slabpool.shm import Arena
+from slabpool.shm.alloc import align_up
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.errors import Crash, crash_hint, describe_exit
-from slabpool.workers.main import WorkerBoot
+from slabpool.workers.main import SPLIT, WorkerBoot
 from slabpool.workers.protocol import (
     BatchDone,
+    FlatSkeleton,
     InitFailed,
     LogRecord,
     NeedOutput,
@@ -50,6 +52,8 @@ from slabpool.workers.protocol import (
     Shutdown,
     TaskSpec,
     decode,
+    encode,
+    open_result,
 )
 from slabpool.workers.session import SessionSpec
 
@@ -89,6 +93,11 @@ class Supervisor:
         self._status_lease = outputs.lease(64 * cfg.workers)
         self.status = outputs.array(self._status_lease.offset, np.dtype(np.int64), (cfg.workers, 8))
         self.status[:, 0] = IDLE
+        # the largest output region one task can ever have; a batch of several tasks gets at
+        # most half the arena (the rest is kept for the running batches): split beyond that
+        self._max_region = outputs.capacity - align_up(64 * cfg.workers)
+        self._out_task = 0  # the most output bytes per task seen (a group's average), and per
+        self._out_item = 0  # item of a stacked batch: groups and batches are sized to fit
         self.info: SessionInfo | None = None
         self.failure: BaseException | None = None
         self.closing: str | None = None  # None, "drain", "cancel"
@@ -156,7 +165,7 @@ class Supervisor:
 
     def _spawn(self, slot: Slot) -> None:
         self._watch_dirty = True
-        self.status[slot.index, 0] = IDLE
+        self.status[slot.index, 0:2] = IDLE, 0
         boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index])
         slot.spawn(self.ctx, boot, self.inputs.fd, self.outputs.fd)
 
@@ -339,27 +348,63 @@ class Supervisor:
         per_task = msg.run_s / max(len(batch.tasks), 1)
         self._task_s = per_task if self._task_s is None else 0.9 * self._task_s + 0.1 * per_task
         used = 0
+        split: list[Task] = []
         tasks = {t.id: t for t in batch.tasks}
         for outcome in msg.outcomes:
             task = tasks[outcome.task_id]
             if outcome.error is not None:
-                self._finish(task, error=E.from_remote(outcome.error, task.id))
+                if outcome.error.kind == "split":
+                    split.append(task)  # its outputs did not fit beside the others': again, apart
+                else:
+                    self._finish(task, error=E.from_remote(outcome.error, task.id))
                 continue
-            assert outcome.outputs is not None
+            packed = outcome.outputs
+            assert packed is not None
+            used += packing.region_size(packed)
+            if type(packed.skeleton) is not FlatSkeleton:
+                try:  # made by user code: it may not unpickle here; that task alone fails
+                    packed = open_result(packed)
+                except E.TaskDataError as exc:
+                    self._finish(task, error=E.TaskDataError(f"task {task.id}: {exc}", task_id=task.id))
+                    continue
             t0 = time.perf_counter()
-            outputs = packing.unpack(outcome.outputs, self.outputs.array, copy=True)  # step 8
+            outputs = packing.unpack(packed, self.outputs.array, copy=True)  # step 8
             copy_s = time.perf_counter() - t0
-            used += packing.region_size(outcome.outputs)
             self._finish(task, result=self._result(task, slot, outputs, msg.run_s / len(batch.tasks), copy_s, now))
-        self._predicted[_batch_key(batch)] = used
+        if not split:  # (a split batch's sizes were learnt from its NeedOutput)
+            self._predicted[_batch_key(batch)] = used
+            if used > self._out_task * len(batch.tasks):
+                self._learn_outputs(batch, used)
         if msg.in_place:
             self._count("outputs_in_place", msg.in_place)
         self._end_batch(batch)  # step 9: leases go back now that the run has really ended
+        if split:
+            self._requeue_apart(batch, split)
         if slot.batches:
             self._promote(slot, now)
         elif slot.state is SlotState.BUSY:
             slot.move(SlotState.READY)
         self._maybe_retire(slot)
+
+    def _learn_outputs(self, batch: Batch, nbytes: int) -> None:
+        """Output bytes per task and per item, as seen: later groups and batches fit them."""
+        self._out_task = max(self._out_task, nbytes // len(batch.tasks))
+        if batch.stack:
+            self._out_item = max(self._out_item, nbytes // max(sum(t.items for t in batch.tasks), 1))
+
+    def _requeue_apart(self, batch: Batch, tasks: list[Task]) -> None:
+        """Tasks whose outputs would not fit one region together go back to the queue, in
+        halves, ahead of new work and uncharged (their outputs are sized anew each time)."""
+        for t in tasks:
+            t.move(TaskState.QUEUED)
+            t.attempts -= 1  # not a failure: Result.attempts stays the number of tries
+        half = (len(tasks) + 1) // 2
+        parts = [p for p in (tasks[:half], tasks[half:]) if p]
+        self.queue.push_replays([Batch(p, stack=batch.stack and len(p) > 1) for p in parts], count=False)
+
+    def _fit_tasks(self) -> int:
+        """Tasks of the largest outputs seen that one group's region holds (half the arena)."""
+        return max(1, self.outputs.capacity // 2 // self._out_task) if self._out_task else MAX_GROUP
 
     def _result(self, task: Task, slot: Slot, outputs: Any, run_s: float, copy_s: float, now: float) -> Result:
         timings = Timings(
@@ -380,10 +425,14 @@ class Supervisor:
         if batch.out_lease is not None:
             self.outputs.release(batch.out_lease)
             batch.out_lease = None
-        if msg.nbytes > self.outputs.capacity // 2:  # the half that regions sent ahead never hold
-            slot.send(OutputGrant(batch.id, -1, 0, (
-                f"outputs of {msg.nbytes} bytes exceed the output arena's limit per batch "
-                f"({self.outputs.capacity // 2} bytes, half of shm_capacity); raise shm_capacity")))
+        self._learn_outputs(batch, msg.nbytes)
+        if len(batch.tasks) > 1 and msg.nbytes > self.outputs.capacity // 2:
+            slot.send(OutputGrant(batch.id, -1, 0, SPLIT))  # its tasks come back, to go apart
+            return
+        if msg.nbytes > self._max_region:  # one task's outputs, larger than the whole arena
+            slot.send(OutputGrant(batch.id, -1, self._max_region, (
+                f"its outputs take {msg.nbytes} bytes, more than the output arena can ever hold "
+                f"({self._max_region} bytes; shm_capacity={self.outputs.capacity}); raise shm_capacity")))
             return
         lease = self.outputs.try_lease(msg.nbytes)
         if lease is None:  # full: the grant waits for the next release (no lease is held here)
@@ -486,14 +535,23 @@ class Supervisor:
         return max(min(due) - now, 0.0) if due else None
 
     def _time_limit(self, slot: Slot) -> float | None:
+        """When the task in hand passes task_timeout: its own time, whatever the group's size
+        (the worker writes when it took it into its status word 1; see workers.main._hand)."""
         if self.cfg.task_timeout is None or not slot.batches or slot.kill_reason:
             return None
         head = slot.batches[0]
-        if head.started_at is None:
-            return None
+        if head.started_at is None or head.out_wanted:
+            return None  # not started, or waiting for output memory: no task's time runs
+        start = head.started_at
+        words = self.status[slot.index]
+        for _ in range(2):
+            task_id, began = int(words[0]), int(words[1])
+            if int(words[0]) == task_id:  # word 1 was written before word 0: a consistent pair
+                if task_id != IDLE:
+                    start = began / 1e9
+                break
         grace = min(2.0, self.cfg.task_timeout) if slot.info and slot.info.runtime == "onnxruntime" else 0.0
-        runs = 1 if head.stack else len(head.tasks)  # a group runs its tasks one after another
-        return head.started_at + self.cfg.task_timeout * runs + grace
+        return start + self.cfg.task_timeout + grace
 
     def _timers(self, now: float) -> None:
         for task in self.queue.expire(now):
@@ -530,13 +588,17 @@ class Supervisor:
             live = sum(s.can_take for s in self.slots)  # the queue is shared by every slot, not
             # only those open right now: a group sized for one open slot would starve the rest
             min_tasks = 1
+            budget = min(budget, self._fit_tasks())
+            max_items = self.cfg.max_batch_size
+            if self._out_item and max_items > 1:  # a stacked batch's outputs share one region
+                max_items = max(1, min(max_items, self.outputs.capacity // 2 // self._out_item))
             if self.cfg.max_batch_size <= 1:  # unstacked groups; a stacked batch is sized in items
                 limit = self._group_limit()
                 budget = min(budget, limit)
                 if slot.batches and limit >= MIN_GROUP:  # tiny tasks, a busy slot: send ahead
                     min_tasks = MIN_GROUP * live  # only a group worth its message (measured:
                     # half the groups were of one task, at 1.6x the messages per task)
-            got = self.queue.take(self.cfg.max_batch_size, wait_s, now, live, budget, min_tasks)
+            got = self.queue.take(max_items, wait_s, now, live, budget, min_tasks)
             if got is None:
                 return
             if isinstance(got, float):
@@ -577,7 +639,8 @@ class Supervisor:
             task.dispatched_at = task.dispatched_at or now
             task.in_batch = batch
             fault = task.fault if self.cfg.fault_injection else None
-            specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.context, fault, task.deadline))
+            specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.wire_context, fault,
+                                  task.deadline))
         batch.tasks = [t for t in batch.tasks if t.state is TaskState.RUNNING]
         if not batch.tasks:
             return
@@ -590,7 +653,33 @@ class Supervisor:
         if len(slot.batches) == 1:
             batch.started_at = now
         msg = RunBatch(batch.id, tuple(specs), batch.stack, out.offset if out else -1, out.nbytes if out else 0)
-        slot.send(msg)  # step 4: on a broken pipe the sentinel fires next and the batch replays
+        try:
+            data = encode(msg)
+        except Exception as exc:  # noqa: BLE001 - a task's data that will not pickle fails it alone
+            self._unsendable(slot, batch, exc)
+            return
+        slot.send_bytes(data)  # step 4: on a broken pipe the sentinel fires next and the batch replays
+
+    def _unsendable(self, slot: Slot, batch: Batch, exc: Exception) -> None:
+        """A RunBatch that would not pickle (user data submit() could not check, such as a
+        dict key): take the batch back; several tasks go again one by one, one fails alone."""
+        slot.batches.remove(batch)
+        if batch.out_lease is not None:
+            self.outputs.release(batch.out_lease)
+            batch.out_lease = None
+        if not slot.batches and slot.state is SlotState.BUSY:
+            slot.move(SlotState.READY)
+        for t in batch.tasks:
+            t.in_batch = None
+        if len(batch.tasks) > 1:
+            for t in batch.tasks:
+                t.move(TaskState.QUEUED)
+                t.attempts -= 1
+            self.queue.push_replays([Batch([t], stack=False) for t in batch.tasks], count=False)
+            return
+        task = batch.tasks[0]
+        self._finish(task, error=E.TaskDataError(
+            f"task {task.id} cannot be sent to a worker: {type(exc).__name__}: {exc}", task_id=task.id))
 
     def _lease_predicted(self, batch: Batch, *, ahead: bool = False) -> Any:
         """An output region sized like the last outputs of a batch of the same shapes, so the

@@ -5,6 +5,7 @@
     ├── QueueFull              backpressure: the queue is full (admission="reject", or
     │                          block_timeout expired); retry later
     ├── ShmCapacityError       not enough shared memory for the request; says how much is free
+    │                          (at submit(), or in the Future when outputs can never fit)
     ├── TaskError              one task failed; carries .task_id
     │   ├── TaskCancelled      cancelled (also concurrent.futures.CancelledError); .reason
     │   ├── TaskTimeout        queued past its deadline, or ran past task_timeout (also TimeoutError)
@@ -12,6 +13,8 @@
     │   │                      input, what was expected and what was got
     │   ├── SessionRunError    the runtime or the user's pre/postprocess raised; the remote
     │   │                      traceback is the __cause__
+    │   ├── TaskDataError      the task's context, inputs or result cannot cross between
+    │   │                      processes (pickle); also TypeError; that task alone fails
     │   └── PoisonTask         killed max_attempts workers; .crashes lists each exit code/signal
     ├── RowsFailed             some rows of infer(batch_size=) failed: .rows, .errors (each
     │                          row's own error), .outputs (the other rows; failed rows NaN, 0
@@ -88,6 +91,11 @@ class InputContractError(TaskError, ValueError):
 
 class SessionRunError(TaskError):
     """The runtime (or preprocess/postprocess) raised; the remote traceback is __cause__."""
+
+
+class TaskDataError(TaskError, TypeError):
+    """The task's context, inputs or result could not be pickled or unpickled on its way
+    between processes. Raised at submit() when known there, else in that task's Future."""
 
 
 @dataclass(frozen=True)
@@ -167,10 +175,15 @@ def _rebuild(cls, args, state):  # type: ignore[no-untyped-def]
     return obj
 
 
-def from_remote(err: RemoteError, task_id: int) -> TaskError:
+def from_remote(err: RemoteError, task_id: int) -> EngineError:
     """The caller's exception for a worker's RemoteError (a whole task's, or one chunk item's)."""
-    if err.kind == "contract":
-        exc: TaskError = InputContractError(f"task {task_id}: {err.message}", task_id=task_id)
+    exc: EngineError
+    if err.kind == "capacity":
+        exc = ShmCapacityError(f"task {task_id}: {err.message}", needed=err.needed, available=err.available)
+    elif err.kind == "data":
+        exc = TaskDataError(f"task {task_id}: {err.message}", task_id=task_id)
+    elif err.kind == "contract":
+        exc = InputContractError(f"task {task_id}: {err.message}", task_id=task_id)
     elif err.kind == "deadline":
         exc = TaskTimeout(f"task {task_id} was still queued at its deadline; it was not started", task_id=task_id)
     elif err.kind == "timeout":

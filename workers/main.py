@@ -33,12 +33,13 @@ import numpy as np
 
 from slabpool.shm.mapping import Mapping
 from slabpool.workers import context, contract, faults, packing
-from slabpool.workers.errors import InputContractError
+from slabpool.workers.errors import InputContractError, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
 from slabpool.workers.protocol import (
     BatchDone,
     Chunk,
     FaultSpec,
+    FlatSkeleton,
     InitFailed,
     NeedOutput,
     Outcome,
@@ -47,9 +48,12 @@ from slabpool.workers.protocol import (
     RemoteError,
     Rows,
     RunBatch,
+    Sealed,
     Shutdown,
     TaskSpec,
     decode,
+    seal,
+    unseal,
 )
 from slabpool.workers.session import ModelSession, RunTimeout, SessionSpec, load_session
 from slabpool.workers.wire import FrameReader
@@ -80,6 +84,7 @@ class WorkerBoot:
     stack_chunks: bool = False  # run a chunk's items in one session call (max_batch_size > 1)
 
 IDLE, STACKED = -1, -2
+SPLIT = "split"  # an OutputGrant's error: the batch's outputs do not fit together; send it back
 
 
 def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
@@ -132,8 +137,15 @@ class Worker:
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
         in_place = session is not None and session.writes_in_place and boot.in_place_min_bytes is not None
         self.planner = OutputPlanner(outputs, boot.in_place_min_bytes or 0) if in_place else None
-        # the task in hand, for the supervisor to read if this process dies
-        self.status = outputs.array(boot.status_offset, np.dtype(np.int64), (1,))
+        # the task in hand, for the supervisor to read if this process dies; with task_timeout,
+        # word 1 is when that task's time started counting (see _hand)
+        self.status = outputs.array(boot.status_offset, np.dtype(np.int64), (2,))
+        self._timed = boot.task_timeout is not None
+        self._in_hand, self._since = IDLE, 0
+        self._spent: dict[int, int] = {}  # ns each task of this batch has run so far
+        # user code makes the results (postprocess, or preprocess without a model): they may
+        # not pickle, or not unpickle in the caller; each is then sealed alone (protocol.Sealed)
+        self._seal_results = boot.postprocess is not None or session is None
 
     def loop(self) -> None:
         while True:
@@ -148,6 +160,8 @@ class Worker:
                     err = remote_error(exc, "run")
                     done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)
                 self.status[0] = IDLE
+                self._in_hand = IDLE
+                self._spent.clear()
                 self.outbox.send(done)
             elif isinstance(msg, Shutdown):
                 return
@@ -288,7 +302,7 @@ class Worker:
         return out
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
-        self.status[0] = STACKED
+        self._hand(STACKED)
         for t in ready:
             faults.inject(t.fault, "run")
         return self._stacked_run([feeds[t.task_id] for t in ready])
@@ -316,9 +330,27 @@ class Worker:
 
     def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
         """Run one stage of one task with its context bound; an error becomes a RemoteError."""
-        self.status[0] = t.task_id
-        with self._fields(t, stage), context.bind(t.context):
+        self._hand(t.task_id)
+        ctx: Any = t.context
+        if type(ctx) is Sealed:
+            try:
+                ctx = unseal(ctx, "the context")
+            except TaskDataError as exc:
+                return remote_error(exc, "data")
+        with self._fields(t, stage), context.bind(ctx):
             return self._attempt(stage, thunk)
+
+    def _hand(self, task_id: int) -> None:
+        """Mark the task in hand (status word 0, read by the supervisor after a death). With
+        task_timeout, word 1 is when its time started counting (monotonic ns, less what it
+        already ran in this batch): the limit holds per task, whatever the group's size."""
+        if self._timed and task_id != self._in_hand:
+            now = time.monotonic_ns()
+            if self._in_hand != IDLE:
+                self._spent[self._in_hand] = self._spent.get(self._in_hand, 0) + now - self._since
+            self._in_hand, self._since = task_id, now
+            self.status[1] = now - self._spent.get(task_id, 0)  # before word 0: read in that order
+        self.status[0] = task_id
 
     @contextlib.contextmanager
     def _fields(self, t: TaskSpec, stage: str) -> Iterator[None]:
@@ -336,6 +368,8 @@ class Worker:
             return thunk()
         except InputContractError as exc:
             err = remote_error(exc, "contract")
+        except TaskDataError as exc:
+            err = remote_error(exc, "data")
         except RunTimeout as exc:
             err = remote_error(exc, "timeout")
         except DeadlinePassed as exc:
@@ -362,24 +396,27 @@ class Worker:
                 continue
             try:
                 skeleton, arrays = packing.split(res)
-            except TypeError as exc:
-                parts.append((t, None, [], remote_error(exc, "run")))
+                if self._seal_results and type(skeleton) is not FlatSkeleton:
+                    skeleton = self._seal_result(skeleton)
+            except TypeError as exc:  # TaskDataError included: it is a TypeError
+                parts.append((t, None, [], remote_error(exc, "data" if isinstance(exc, TaskDataError) else "run")))
                 continue
             parts.append((t, skeleton, arrays, None))
         sizes = [packing.layout(arrays)[1] for _, _, arrays, _ in parts]
         total = sum(sizes)
         base, room = region
         if total > 0 and (base < 0 or total > room):
-            base, error = self._ask_output(msg.batch_id, total)
-            if error:
-                denied = RemoteError("run", "ShmCapacityError", error, "")
+            grant = self._ask_output(msg.batch_id, total)
+            base = grant.offset
+            if grant.error:
+                denied = _denied(grant, total)
                 return tuple(Outcome(t.task_id, None, e or denied) for t, _, _, e in parts)
         outcomes = []
         for (t, skeleton, arrays, failed), size in zip(parts, sizes, strict=True):
             if failed is not None:
                 outcomes.append(Outcome(t.task_id, None, failed))
                 continue
-            self.status[0] = t.task_id
+            self._hand(t.task_id)
             faults.inject(t.fault, "write_outputs")
             outcomes.append(Outcome(t.task_id, packing.write(skeleton, arrays, base, self.outputs.array)))
             base += size
@@ -393,7 +430,7 @@ class Worker:
             if isinstance(res, RemoteError):
                 outcomes.append(Outcome(t.task_id, None, res))
                 continue
-            self.status[0] = t.task_id
+            self._hand(t.task_id)
             faults.inject(t.fault, "write_outputs")
             outcomes.append(Outcome(t.task_id, res.packed))
         return tuple(outcomes)
@@ -413,25 +450,48 @@ class Worker:
                 return msg.offset, msg.nbytes
         return -1, 0
 
-    def _ask_output(self, batch_id: int, nbytes: int) -> tuple[int, str]:
+    @staticmethod
+    def _seal_result(skeleton: Any) -> Any:
+        """A result made by user code, pickled alone (a chunk: item by item, so that an item
+        that cannot be pickled fails alone); TaskDataError if the whole cannot be."""
+        what = "the result (what postprocess, or preprocess without a model, returned)"
+        if type(skeleton) is not Chunk:
+            return seal(skeleton, what)
+        items = []
+        for item in skeleton:
+            try:
+                items.append(item if isinstance(item, RemoteError) else seal(item, what))
+            except TaskDataError as exc:
+                items.append(remote_error(exc, "data"))
+        return Chunk(items)
+
+    def _ask_output(self, batch_id: int, nbytes: int) -> OutputGrant:
         """A region of at least `nbytes` for this batch. The grant may already wait in the pipe
         (sent when the batch became its slot's head); else ask. Smaller grants are stale."""
         self._read_waiting()
         for msg in [m for m in self.pending if isinstance(m, OutputGrant)]:
             self.pending.remove(msg)
             if msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
-                return msg.offset, msg.error
+                return msg
         self.outbox.send(NeedOutput(batch_id, nbytes))
         while True:
             msg = decode(self.conn.recv())
             if not isinstance(msg, OutputGrant):
                 self.pending.append(msg)
             elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
-                return msg.offset, msg.error
+                return msg
 
 
 class DeadlinePassed(Exception):
     """The task reached its deadline before it started (it waited in this worker's pipe)."""
+
+
+def _denied(grant: OutputGrant, total: int) -> RemoteError:
+    """Why no output region came: the batch must be split (its tasks go back, uncharged), or
+    the outputs can never fit (grant.nbytes: the largest region there is)."""
+    if grant.error == SPLIT:
+        return RemoteError("split", "", "outputs too large to share one region", "")
+    return RemoteError("capacity", "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
 
 
 def remote_error(exc: BaseException, kind: Any) -> RemoteError:

@@ -17,7 +17,17 @@ import numpy as np
 
 from slabpool.shm.alloc import align_up
 from slabpool.shm.pages import private_copy
-from slabpool.workers.protocol import ArrayRef, Chunk, FlatSkeleton, Hole, Packed, Rows, flat_skeleton
+from slabpool.workers.protocol import (
+    ArrayRef,
+    Chunk,
+    FlatSkeleton,
+    Hole,
+    Packed,
+    Rows,
+    Sealed,
+    flat_skeleton,
+    unseal,
+)
 
 _SCALARS = frozenset((int, float, str, bool, type(None), bytes))
 
@@ -194,6 +204,8 @@ def _rows(sk: Rows, arrays: list[np.ndarray]) -> Chunk:
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
     if type(node) is Hole:
         return arrays[node.at]
+    if type(node) is Sealed:  # user data pickled on its own (see protocol.Sealed)
+        return _fill(unseal(node, "the inputs"), arrays)
     if isinstance(node, dict):
         return {k: _fill(v, arrays) for k, v in node.items()}
     if type(node) is Chunk:

@@ -20,6 +20,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from slabpool.workers.errors import TaskDataError
+
 
 class ArrayRef(NamedTuple):
     """An array in an arena: where, what type, what shape."""
@@ -102,7 +104,7 @@ class TaskSpec:
     attempt: int
     seed: int
     item: Packed
-    context: dict[str, Any] | None = None
+    context: Sealed | dict[str, Any] | None = None  # sealed at submit(); a dict once opened
     fault: FaultSpec | None = None
     deadline: float | None = None  # time.monotonic() (one clock for the host): not started after
 
@@ -143,10 +145,12 @@ class Shutdown:
 class RemoteError:
     """An exception in the worker, as data: never a pickled runtime exception object."""
 
-    kind: Literal["contract", "run", "timeout", "deadline"]
+    kind: Literal["contract", "run", "timeout", "deadline", "data", "capacity", "split"]
     type_name: str
     message: str
     traceback: str
+    needed: int = 0  # kind "capacity": the bytes asked for, and the most that could ever fit
+    available: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,54 @@ class LogRecord:
     level: int
     message: str
     fields: dict[str, Any]
+
+
+# -- user data, sealed ---------------------------------------------------------------------------
+
+
+class Sealed(bytes):
+    """User data pickled on its own (a context; the non-array parts of an input or a result):
+    whoever opens it fails for that task alone. A whole message that would not pickle, or not
+    unpickle, would take the pipe (and the supervisor) down with it."""
+
+
+def seal(obj: Any, what: str) -> Sealed:
+    """`obj` pickled; TaskDataError (a TypeError) naming `what` if it cannot be."""
+    try:
+        return Sealed(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        raise TaskDataError(f"{what} cannot be pickled to cross to another process: {type(exc).__name__}: {exc}") from exc
+
+
+def unseal(blob: Sealed, what: str) -> Any:
+    """The object back; TaskDataError naming `what` if it cannot be unpickled here."""
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        raise TaskDataError(
+            f"{what} was pickled but cannot be unpickled in this process: {type(exc).__name__}: {exc} "
+            "(an exception class whose __init__ takes other arguments than its args, a class "
+            "defined in __main__ under the spawn start method, ...)") from exc
+
+
+def open_result(packed: Packed) -> Packed:
+    """A result whose skeleton (or a chunk's item) is sealed, opened. TaskDataError if the whole
+    result cannot be unpickled; a chunk item that cannot becomes that item's RemoteError."""
+    sk = packed.skeleton
+    if type(sk) is Sealed:
+        return Packed(unseal(sk, "the result"), packed.arrays)
+    if type(sk) is Chunk:
+        return Packed(Chunk(_open_item(v) for v in sk), packed.arrays)
+    return packed
+
+
+def _open_item(item: Any) -> Any:
+    if type(item) is not Sealed:
+        return item
+    try:
+        return unseal(item, "the result of this item")
+    except TaskDataError as exc:
+        return RemoteError("data", "TypeError", str(exc), "")
 
 
 # -- the wire -----------------------------------------------------------------------------------
