@@ -68,6 +68,10 @@ class TaskQueue:
         self.counters = Counters()
         self.lock = self._cond  # the counters' lock too
 
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Who to wake when work arrives (the supervisor, once it exists)."""
+        self._wake = wake
+
     # -- the caller's side --------------------------------------------------------------------
 
     def reserve(self, timeout: float | None, nbytes: int = 0) -> list[Task]:

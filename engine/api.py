@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -15,7 +17,9 @@ from typing import Any
 import psutil
 
 from slabpool.engine.admission import TaskQueue, superseded_error
+from slabpool.engine.config import EngineConfig
 from slabpool.engine.frontend import BaseEngine, TaskFuture
+from slabpool.engine.mainguard import check_main_guard
 from slabpool.engine.metrics import Metrics
 from slabpool.engine.reload import Reload
 from slabpool.engine.states import EngineState, TaskState
@@ -55,53 +59,38 @@ class Engine(BaseEngine):
         self._metrics = Metrics()
         self._instance = new_instance_id()
         self._lock: InstanceLock | None = None
-        try:
-            check_capacity(2 * cfg.shm_capacity, cfg.shm_backend)
-            if cfg.shm_backend == "posix":
-                sweep_dead_instances()
-                self._lock = InstanceLock(self._instance)
-            self._inputs = Arena("in", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
-            self._outputs = Arena("out", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
+        check_main_guard(cfg.start_method)
+        try:  # any BaseException (Ctrl-C while the workers start, too) leaves nothing behind
+            self._build(cfg)
         except CapacityError as exc:
             self._release_shm()
             raise E.ShmCapacityError(str(exc), needed=exc.needed, available=exc.available) from None
-        self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, self._wake, cfg.queue_bytes)
-        self._sup = Supervisor(
-            cfg, self._queue, self._inputs, self._outputs,
-            multiprocessing.get_context(cfg.start_method), self._boot, self._metrics,
-        )
-        try:
-            self._sup.start()
         except BaseException:
             self._release_shm()
             raise
-        self._sup.on_stopped = self._on_stopped
+
+    def _build(self, cfg: EngineConfig) -> None:
+        """Arenas, queue, supervisor, workers. Nothing the supervisor thread keeps refers to
+        the Engine (a weak reference at most): an engine nobody holds is collected, and then
+        stops its workers (as ProcessPoolExecutor does)."""
+        check_capacity(2 * cfg.shm_capacity, cfg.shm_backend)
+        if cfg.shm_backend == "posix":
+            sweep_dead_instances()
+            self._lock = InstanceLock(self._instance)
+        self._inputs = Arena("in", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
+        self._outputs = Arena("out", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
+        self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, _no_wake, cfg.queue_bytes)
+        boot = functools.partial(_boot, cfg, self._inputs.capacity, self._outputs.capacity, self._init_fault)
+        self._sup = Supervisor(
+            cfg, self._queue, self._inputs, self._outputs,
+            multiprocessing.get_context(cfg.start_method), boot, self._metrics,
+        )
+        self._queue.set_wake(self._sup.wake)
+        self._sup.start()
+        self._sup.on_stopped = functools.partial(
+            _on_stopped, weakref.ref(self), self._sup, self._inputs, self._outputs, self._lock)
         self._set_specs(self._sup.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
-
-    def _boot(self, slot: int, incarnation: int, spec: SessionSpec | None) -> WorkerBoot:
-        cfg = self.config
-        return WorkerBoot(
-            slot=slot,
-            incarnation=incarnation,
-            session=spec,
-            preprocess=cfg.preprocess,
-            postprocess=cfg.postprocess,
-            initializer=cfg.initializer,
-            initargs=cfg.initargs,
-            in_capacity=self._inputs.capacity,
-            out_capacity=self._outputs.capacity,
-            task_timeout=cfg.task_timeout,
-            report_rss=cfg.worker_memory_limit is not None,
-            log_level=logging.getLogger().getEffectiveLevel(),
-            status_offset=self._sup.status_offset(slot),
-            in_place_min_bytes=cfg.in_place_min_bytes,
-            stack_chunks=cfg.max_batch_size > 1,
-            init_fault=self._init_fault,
-        )
-
-    def _wake(self) -> None:
-        self._sup.wake()
 
     # -- steps 1-2: validate, lease, copy in -----------------------------------------------------
 
@@ -232,21 +221,14 @@ class Engine(BaseEngine):
         self._set_specs(plan.info)
         return self.model_version
 
-    def _on_stopped(self) -> None:
-        """Called by the supervisor thread after every worker is reaped: free the memory."""
-        self._release_shm()
-        self._sup.close_resources()
+    def _mark_closed(self) -> None:
         with self._close_lock:
             if self._state is EngineState.ACCEPTING:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
 
     def _release_shm(self) -> None:
-        for arena in (getattr(self, "_inputs", None), getattr(self, "_outputs", None)):
-            if arena is not None:
-                arena.close()
-        if self._lock is not None:
-            self._lock.release()
+        _release_shm(getattr(self, "_inputs", None), getattr(self, "_outputs", None), self._lock)
 
     # -- looking inside -------------------------------------------------------------------------
 
@@ -288,9 +270,62 @@ def _slot_stats(slot: Any) -> SlotStats:
     )
 
 
+def _boot(
+    cfg: EngineConfig, in_capacity: int, out_capacity: int, init_fault: FaultSpec | None,
+    slot: int, incarnation: int, spec: SessionSpec | None, status_offset: int,
+) -> WorkerBoot:
+    """What a new worker of `slot` is given (module level: the supervisor keeps no Engine)."""
+    return WorkerBoot(
+        slot=slot,
+        incarnation=incarnation,
+        session=spec,
+        preprocess=cfg.preprocess,
+        postprocess=cfg.postprocess,
+        initializer=cfg.initializer,
+        initargs=cfg.initargs,
+        in_capacity=in_capacity,
+        out_capacity=out_capacity,
+        task_timeout=cfg.task_timeout,
+        report_rss=cfg.worker_memory_limit is not None,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        status_offset=status_offset,
+        in_place_min_bytes=cfg.in_place_min_bytes,
+        stack_chunks=cfg.max_batch_size > 1,
+        init_fault=init_fault,
+    )
+
+
+def _no_wake() -> None:
+    """The queue's wake-up until the supervisor exists."""
+
+
+def _release_shm(inputs: Arena | None, outputs: Arena | None, lock: InstanceLock | None) -> None:
+    for arena in (inputs, outputs):
+        if arena is not None:
+            arena.close()
+    if lock is not None:
+        lock.release()
+
+
+def _on_stopped(
+    ref: weakref.ReferenceType[Engine], sup: Supervisor, inputs: Arena, outputs: Arena, lock: InstanceLock | None,
+) -> None:
+    """Called by the supervisor thread after every worker is reaped: free the memory, and
+    mark the engine CLOSED if it still exists."""
+    _release_shm(inputs, outputs, lock)
+    sup.close_resources()
+    engine = ref()
+    if engine is not None:
+        engine._mark_closed()
+
+
 def _emergency_stop(sup: Supervisor) -> None:
     """The engine was dropped without close(): stop the workers rather than leak them."""
-    if not sup.join(0):
-        sup.command("abort", "the engine was garbage-collected without close()", wait_reply=False)
-        sup.join(10)
+    if sup.join(0):
+        return
+    warnings.warn(
+        "an Engine was garbage-collected without close(): its workers were stopped and what it "
+        "still held was cancelled; use `with Engine(...)` or call close()", ResourceWarning, stacklevel=2)
+    sup.command("abort", "the engine was garbage-collected without close()", wait_reply=False)
+    sup.join(10)
 

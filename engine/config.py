@@ -61,6 +61,9 @@ class EngineConfig:
     queue_bytes: int = 64 * MiB  # input bytes that may wait in the queue (one task always fits)
     shm_backend: Literal["memfd", "posix"] = "memfd"
     startup_timeout: float = 120.0
+    # a slot whose running batch has made no progress this long (a stopped process, a native
+    # deadlock) gets a warning, no more work, and what was sent ahead to it runs elsewhere
+    stall_after: float = 10.0
     fault_injection: bool = False
 
     def session_spec(self) -> SessionSpec | None:
@@ -140,6 +143,8 @@ def _check_limits(kw: dict[str, Any]) -> None:
         value = kw.get(name)
         if value is not None and not _number(value, lo=0.0, lo_open=True, integral=True):
             raise ValueError(f"{name} must be None (no limit) or a positive integer, got {value!r}")
+    if "stall_after" in kw and not _number(kw["stall_after"], lo=0.0, lo_open=True):
+        raise ValueError(f"stall_after must be a finite number of seconds > 0, got {kw['stall_after']!r}")
     if "startup_timeout" in kw and not _number(kw["startup_timeout"], lo=0.0, lo_open=True):
         raise ValueError(f"startup_timeout must be a finite number of seconds > 0, got {kw['startup_timeout']!r}")
     if "max_batch_wait_ms" in kw and not _number(kw["max_batch_wait_ms"], lo=0.0):

@@ -79,6 +79,7 @@ class BaseEngine(AsyncEngineMixin):
         queue_bytes: int = 64 * MiB,
         shm_backend: Literal["memfd", "posix"] = "memfd",
         startup_timeout: float = 120.0,
+        stall_after: float = 10.0,
         _fault_injection: bool = False,  # tests: tasks may carry a FaultSpec
         _init_fault: FaultSpec | None = None,  # tests: a fault in every worker's initializer
     ) -> None:
@@ -306,12 +307,7 @@ class BaseEngine(AsyncEngineMixin):
                 if not group:
                     break
                 pace.weigh(group[0])
-                if len(group) == 1:
-                    fut = self.submit(group[0], context=context)
-                else:
-                    fut = self._submit_chunk(group, context)
-                    self._tally(accepted=len(group))
-                pending.append((fut, group))
+                pending.extend(self._submit_items(group, context, return_exceptions))
                 in_flight += len(group)
                 while pending and in_flight >= limit:
                     fut, group = _next_done(pending, ordered)
@@ -325,6 +321,27 @@ class BaseEngine(AsyncEngineMixin):
                 f.cancel()
                 if len(group) > 1:  # a chunk's items are the caller's side to count
                     self._tally(cancelled=len(group))
+
+    def _submit_items(
+        self, group: list[Any], context: dict[str, Any] | None, contain: bool,
+    ) -> list[tuple[Future[Result], list[Any]]]:
+        """Submit one task of map(). With `contain` (return_exceptions), an item refused at the
+        door (its input contract, data that cannot be pickled, too large) becomes a failed
+        Future at its position: the items of its chunk go one by one, the rest still runs."""
+        try:
+            if len(group) == 1:
+                return [(self.submit(group[0], context=context), group)]
+            fut = self._submit_chunk(group, context)
+            self._tally(accepted=len(group))
+            return [(fut, group)]
+        except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
+            if not contain:
+                raise
+            if len(group) > 1:
+                return [part for x in group for part in self._submit_items([x], context, contain)]
+            failed: Future[Result] = Future()
+            failed.set_exception(exc)
+            return [(failed, group)]
 
     def _outcomes(
         self, fut: Future[Result], group: list[Any], return_exceptions: bool, context: dict[str, Any] | None,

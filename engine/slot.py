@@ -43,6 +43,7 @@ class Slot:
         self.kill_reason: str | None = None  # why we are killing it: "timeout", "cancel", ...
         self.kill_escalate_at: float | None = None
         self.retiring = False
+        self.stalled_since: float | None = None  # its running batch made no progress for stall_after
         self.rss = 0
         self.model_version = ""
 
@@ -70,6 +71,7 @@ class Slot:
         self.init_error = None
         self.kill_reason = self.kill_escalate_at = self.respawn_at = None
         self.retiring = False
+        self.stalled_since = None
         self.move(SlotState.STARTING)
 
     def send(self, msg: Any) -> bool:
@@ -120,7 +122,7 @@ class Slot:
 
     @property
     def can_take(self) -> bool:
-        return self.state in (SlotState.READY, SlotState.BUSY) and not self.retiring
+        return self.state in (SlotState.READY, SlotState.BUSY) and not self.retiring and self.stalled_since is None
 
     def __repr__(self) -> str:
         return f"<Slot {self.index} {self.state.name} pid={self.pid} holds={len(self.batches)}>"

@@ -47,6 +47,7 @@ from slabpool.workers.protocol import (
     OutputGrant,
     Ready,
     RemoteError,
+    Revoke,
     RunBatch,
     SessionInfo,
     Shutdown,
@@ -80,7 +81,7 @@ class Supervisor:
         inputs: Arena,
         outputs: Arena,
         ctx: BaseContext,
-        boot: Callable[[int, int, SessionSpec | None], WorkerBoot],
+        boot: Callable[[int, int, SessionSpec | None, int], WorkerBoot],
         metrics: Any,
     ) -> None:
         self.cfg, self.queue, self.inputs, self.outputs = cfg, queue, inputs, outputs
@@ -119,14 +120,22 @@ class Supervisor:
     # -- start ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn every slot, wait until all are READY; SessionInitError if one cannot start."""
-        for slot in self.slots:
-            self._spawn(slot)
-        deadline = time.monotonic() + self.cfg.startup_timeout
+        """Spawn every slot, wait until all are READY; SessionInitError if one cannot start.
+        On any exception (KeyboardInterrupt too) every worker started is killed and reaped."""
+        try:
+            for slot in self.slots:
+                self._spawn(slot)
+            self._wait_ready(time.monotonic() + self.cfg.startup_timeout)
+        except BaseException:
+            self._abort_startup()
+            raise
+        self._thread.start()
+
+    def _wait_ready(self, deadline: float) -> None:
         while any(s.state is SlotState.STARTING for s in self.slots):
             left = deadline - time.monotonic()
             if left <= 0:
-                self._abort_startup(E.SessionInitError(f"workers not ready after {self.cfg.startup_timeout} s"))
+                raise E.SessionInitError(f"workers not ready after {self.cfg.startup_timeout} s")
             waitables: list[Any] = [s.conn for s in self.slots if s.state is SlotState.STARTING and s.conn]
             waitables += [s.process.sentinel for s in self.slots if s.process]
             ready = wait(waitables, timeout=left)
@@ -136,18 +145,17 @@ class Supervisor:
                 if slot.process is not None and slot.process.sentinel in ready:
                     if slot.conn is not None:
                         self._drain(slot, to_end=True)
-                    self._abort_startup(self._init_error(slot, slot.reap()))
-        self._thread.start()
+                    raise self._init_error(slot, slot.reap())
 
-    def _abort_startup(self, error: BaseException) -> None:
-        del self.status
+    def _abort_startup(self) -> None:
+        if hasattr(self, "status"):
+            del self.status
         for slot in self.slots:
             if slot.process is not None:
                 slot.kill("startup failed", grace=0.0)
                 slot.escalate()
                 slot.reap()
         self._close_wakeup()
-        raise error
 
     def _init_error(self, slot: Slot, code: int | None) -> E.SessionInitError:
         if slot.init_error is not None:
@@ -166,7 +174,7 @@ class Supervisor:
     def _spawn(self, slot: Slot) -> None:
         self._watch_dirty = True
         self.status[slot.index, 0:2] = IDLE, 0
-        boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index])
+        boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index], self.status_offset(slot.index))
         slot.spawn(self.ctx, boot, self.inputs.fd, self.outputs.fd)
 
     def respawn(self, slot: Slot) -> None:
@@ -342,6 +350,14 @@ class Supervisor:
             return
         batch = slot.batches.popleft()
         now = time.monotonic()
+        if slot.stalled_since is not None:
+            log.warning("slot %d (pid %d) makes progress again, after %.1f s", slot.index, slot.pid,
+                        now - slot.stalled_since)
+            slot.stalled_since = None
+        if batch.revoked:  # its tasks ran elsewhere: only what it held goes back
+            self._end_batch(batch)
+            self._after_batch(slot, now)
+            return
         slot.tasks_done += len(batch.tasks)
         slot.incarnation_done += len(batch.tasks)
         slot.rss = msg.rss or slot.rss
@@ -380,6 +396,9 @@ class Supervisor:
         self._end_batch(batch)  # step 9: leases go back now that the run has really ended
         if split:
             self._requeue_apart(batch, split)
+        self._after_batch(slot, now)
+
+    def _after_batch(self, slot: Slot, now: float) -> None:
         if slot.batches:
             self._promote(slot, now)
         elif slot.state is SlotState.BUSY:
@@ -456,6 +475,7 @@ class Supervisor:
             if b.out_lease is not None:
                 self.outputs.release(b.out_lease)
                 b.out_lease = None
+            self._unpin(b)
         held = list(slot.batches)
         slot.batches.clear()
         if slot.state is not SlotState.DEAD:
@@ -530,7 +550,7 @@ class Supervisor:
     def _next_timer(self, now: float) -> float | None:
         times = [self.queue.next_deadline(), self._batch_ready_at]
         for s in self.slots:
-            times += [s.respawn_at, s.kill_escalate_at, self._time_limit(s)]
+            times += [s.respawn_at, s.kill_escalate_at, self._time_limit(s), self._stall_at(s)]
         due = [t for t in times if t is not None]
         return max(min(due) - now, 0.0) if due else None
 
@@ -553,6 +573,61 @@ class Supervisor:
         grace = min(2.0, self.cfg.task_timeout) if slot.info and slot.info.runtime == "onnxruntime" else 0.0
         return start + self.cfg.task_timeout + grace
 
+    def _stall_at(self, slot: Slot) -> float | None:
+        """When the slot's running batch counts as stalled (not yet warned about)."""
+        if slot.stalled_since is not None or not slot.batches or slot.kill_reason:
+            return None
+        head = slot.batches[0]
+        return None if head.started_at is None or head.out_wanted else head.started_at + self.cfg.stall_after
+
+    def _on_stall(self, slot: Slot, now: float) -> None:
+        """No progress for stall_after: warn, send it nothing more, and run elsewhere what was
+        sent ahead to it (on copies of the inputs: it may still read the originals)."""
+        slot.stalled_since = now
+        head = slot.batches[0]
+        moved = []
+        for b in list(slot.batches)[1:]:
+            if not b.revoked and self._revoke(slot, b):
+                moved.append(len(b.pinned))
+        log.warning(
+            "slot %d (pid %d) has made no progress for %.1f s on its running batch of %d task(s) (task "
+            "ids %s); it gets no more work, and the %d task(s) sent ahead to it run elsewhere. Set "
+            "task_timeout to stop a task that runs too long.", slot.index, slot.pid, now - (head.started_at or now),
+            len(head.tasks), [t.id for t in head.tasks][:8], sum(moved))
+
+    def _revoke(self, slot: Slot, batch: Batch) -> bool:
+        """Take back a batch sent ahead: its tasks to the queue with copies of their inputs."""
+        live = [t for t in batch.tasks if t.state is TaskState.RUNNING]
+        fresh = [self.inputs.try_lease(t.lease.nbytes) if t.lease is not None else None for t in live]
+        if any(n is None and t.lease is not None for n, t in zip(fresh, live, strict=True)):
+            self.inputs.release_many([n for n in fresh if n is not None])
+            return False  # no room for the copies now: it stays (tried again on the next stall)
+        for t, new in zip(live, fresh, strict=True):
+            old = t.lease
+            if old is not None and new is not None:
+                src = self.inputs.array(old.offset, np.dtype(np.uint8), (old.nbytes,))
+                self.inputs.array(new.offset, np.dtype(np.uint8), (old.nbytes,))[:] = src
+                refs = tuple(r._replace(offset=r.offset - old.offset + new.offset) for r in t.packed.arrays)
+                t.packed, t.lease = t.packed._replace(arrays=refs), new
+                batch.pinned.append(old)
+            t.move(TaskState.QUEUED)
+            t.attempts -= 1
+            t.in_batch = None
+        for t in batch.tasks:  # tasks that ended meanwhile keep their inputs till the answer
+            if t.state.is_terminal and t.lease is not None:
+                batch.pinned.append(t.lease)
+                t.lease = None
+        batch.revoked, batch.tasks = True, []
+        slot.send(Revoke(batch.id))
+        if live:
+            self.queue.push_replays([Batch(live, stack=len(live) > 1 and batch.stack)], count=False)
+        return True
+
+    def _unpin(self, batch: Batch) -> None:
+        if batch.pinned:
+            self.inputs.release_many(batch.pinned)
+            batch.pinned = []
+
     def _timers(self, now: float) -> None:
         for task in self.queue.expire(now):
             self._finish(task, error=E.TaskTimeout(
@@ -563,6 +638,9 @@ class Supervisor:
             limit = self._time_limit(slot)
             if limit is not None and now >= limit:
                 slot.kill("timeout")
+            stall = self._stall_at(slot)
+            if stall is not None and now >= stall:
+                self._on_stall(slot, now)
             if slot.respawn_at is not None and now >= slot.respawn_at and slot.state is SlotState.DEAD:
                 self._spawn(slot)
 
@@ -697,6 +775,8 @@ class Supervisor:
     def _promote(self, slot: Slot, now: float) -> None:
         """The next held batch starts running now: give it its output region ahead of time."""
         head = slot.batches[0]
+        if head.revoked:
+            return  # answered without a run: no region, no clock
         head.started_at = max(now, head.started_at or now)
         if head.out_lease is None:
             lease = self._lease_predicted(head)
@@ -708,6 +788,7 @@ class Supervisor:
             self.outputs.release(batch.out_lease)
             batch.out_lease = None
             self._grant_waiting()
+        self._unpin(batch)
         done = []
         for t in batch.tasks:
             t.in_batch = None
@@ -880,6 +961,7 @@ class Supervisor:
             if b.out_lease is not None:
                 self.outputs.release(b.out_lease)
                 b.out_lease = None
+            self._unpin(b)
             for t in b.tasks:
                 t.in_batch = None
                 self._finish(t, error=_cancelled(t, "the engine closed while it ran", "closed"))

@@ -82,4 +82,8 @@ class Batch:
     crashes: int = 0  # deaths of workers while running exactly this composition
     out_lease: Lease | None = None
     out_wanted: int = 0  # output bytes asked for (NeedOutput) while the arena was full
+    # taken back from a stalled slot (its tasks run elsewhere, on copies of their inputs): the
+    # worker may still read the original inputs until it answers, so their leases wait here
+    revoked: bool = False
+    pinned: list[Lease] = field(default_factory=list)
     started_at: float | None = None  # when it became the head of its slot

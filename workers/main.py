@@ -46,6 +46,7 @@ from slabpool.workers.protocol import (
     OutputGrant,
     Ready,
     RemoteError,
+    Revoke,
     Rows,
     RunBatch,
     Sealed,
@@ -155,7 +156,7 @@ class Worker:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
                 try:
-                    done = self.run_batch(msg)
+                    done = BatchDone(msg.batch_id, (), 0.0, 0) if self._revoked(msg.batch_id) else self.run_batch(msg)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
                     err = remote_error(exc, "run")
                     done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)
@@ -439,6 +440,16 @@ class Worker:
         """Every message already in the pipe, into `pending` (read while a batch runs)."""
         while self.conn.poll():
             self.pending.append(decode(self.conn.recv()))
+
+    def _revoked(self, batch_id: int) -> bool:
+        """Whether a Revoke of this batch waits in the pipe (it was sent while this process
+        made no progress, so it is there before the batch starts)."""
+        self._read_waiting()
+        for msg in self.pending:
+            if type(msg) is Revoke and msg.batch_id == batch_id:
+                self.pending.remove(msg)
+                return True
+        return False
 
     def _granted(self, batch_id: int) -> tuple[int, int]:
         """The region of an OutputGrant for this batch already in the pipe (sent when the batch

@@ -9,7 +9,7 @@ Named after their stage (a `Task` in the engine is a `TaskSpec` inside a `RunBat
 pipe, and comes back as an `Outcome` inside a `BatchDone`). Every message is a small frozen
 dataclass: names, offsets, dtypes and shapes; array bytes never travel here.
 
-    supervisor -> worker: RunBatch, OutputGrant, Shutdown
+    supervisor -> worker: RunBatch, OutputGrant, Revoke, Shutdown
     worker -> supervisor: Ready | InitFailed (once), NeedOutput, BatchDone, LogRecord
 """
 
@@ -136,6 +136,14 @@ class OutputGrant:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """Do not start this batch (sent ahead to a worker that stalled): it runs elsewhere.
+    Answered by an empty BatchDone, so that the supervisor frees what the batch held."""
+
+    batch_id: int
 
 
 # -- worker -> supervisor ---------------------------------------------------------------------
