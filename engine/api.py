@@ -125,8 +125,8 @@ class Engine(BaseEngine):
         deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None, units: int = 1,
     ) -> TaskFuture:
         skeleton, arrays = packing.split(item)
-        if self.config.preprocess is not None and type(skeleton) is not FlatSkeleton:
-            skeleton = seal(skeleton, "the inputs")  # user data: TypeError here, not in the engine
+        if self.config.preprocess is not None and not _plain(skeleton):  # user data: a TypeError
+            skeleton = _seal_items(skeleton) if type(skeleton) is Chunk else seal(skeleton, "the inputs")
         wire_context = None if context is None else seal(context, "the context")
         offsets, nbytes = packing.layout(arrays)
         if nbytes > self._inputs.capacity:
@@ -268,6 +268,16 @@ def _slot_stats(slot: Any) -> SlotStats:
         info.requested if info else (), info.applied if info else (),
         info.degraded if info else False, slot.model_version, rss,
     )
+
+
+def _plain(skeleton: Any) -> bool:
+    """A dict of arrays with string keys: nothing in it that could fail to (un)pickle."""
+    return type(skeleton) is FlatSkeleton and all(type(k) is str for k in skeleton)
+
+
+def _seal_items(chunk: Chunk) -> Chunk:
+    """A chunk's items sealed one by one: in the worker, an item that does not unpickle fails alone."""
+    return Chunk(seal(item, f"the inputs of item {i}") for i, item in enumerate(chunk))
 
 
 def _boot(

@@ -28,6 +28,7 @@ alone, so a torn last line cannot swallow the next append.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -125,14 +126,31 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as exc:
+                raise _write_error(path, exc) from exc
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
+
+
+def _write_error(path: Path, exc: OSError) -> OSError:
+    """A failed write that names the file and the cause. numpy reports a short write (a full
+    disk, a file size limit) as "N requested and M written", with no errno and no path."""
+    code = exc.errno
+    if code is None and "requested and" in str(exc):
+        code = errno.ENOSPC
+    why = "no space left on device" if code == errno.ENOSPC else (exc.strerror or str(exc))
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free} bytes free there"
+    except OSError:
+        free = ""
+    return OSError(code, f"could not write {path}: {why} ({exc}){free}")
 
 
 def fsync_dir(path: Path) -> None:

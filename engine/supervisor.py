@@ -416,7 +416,6 @@ class Supervisor:
         halves, ahead of new work and uncharged (their outputs are sized anew each time)."""
         for t in tasks:
             t.move(TaskState.QUEUED)
-            t.attempts -= 1  # not a failure: Result.attempts stays the number of tries
         half = (len(tasks) + 1) // 2
         parts = [p for p in (tasks[:half], tasks[half:]) if p]
         self.queue.push_replays([Batch(p, stack=batch.stack and len(p) > 1) for p in parts], count=False)
@@ -556,22 +555,20 @@ class Supervisor:
 
     def _time_limit(self, slot: Slot) -> float | None:
         """When the task in hand passes task_timeout: its own time, whatever the group's size
-        (the worker writes when it took it into its status word 1; see workers.main._hand)."""
+        (the worker writes when it took the task into its status word 1; workers.main._hand).
+        With no task in hand yet, one taken from now on cannot pass it before now + task_timeout:
+        that is when to look again (a limit the caller of this never reaches first)."""
         if self.cfg.task_timeout is None or not slot.batches or slot.kill_reason:
             return None
         head = slot.batches[0]
         if head.started_at is None or head.out_wanted:
             return None  # not started, or waiting for output memory: no task's time runs
-        start = head.started_at
-        words = self.status[slot.index]
-        for _ in range(2):
-            task_id, began = int(words[0]), int(words[1])
-            if int(words[0]) == task_id:  # word 1 was written before word 0: a consistent pair
-                if task_id != IDLE:
-                    start = began / 1e9
-                break
         grace = min(2.0, self.cfg.task_timeout) if slot.info and slot.info.runtime == "onnxruntime" else 0.0
-        return start + self.cfg.task_timeout + grace
+        words = self.status[slot.index]
+        task_id, began = int(words[0]), int(words[1])
+        if task_id == IDLE or int(words[0]) != task_id:  # (word 1 is written first: a pair read
+            return time.monotonic() + self.cfg.task_timeout + grace  # across a change waits)
+        return began / 1e9 + self.cfg.task_timeout + grace
 
     def _stall_at(self, slot: Slot) -> float | None:
         """When the slot's running batch counts as stalled (not yet warned about)."""
@@ -611,7 +608,6 @@ class Supervisor:
                 t.packed, t.lease = t.packed._replace(arrays=refs), new
                 batch.pinned.append(old)
             t.move(TaskState.QUEUED)
-            t.attempts -= 1
             t.in_batch = None
         for t in batch.tasks:  # tasks that ended meanwhile keep their inputs till the answer
             if t.state.is_terminal and t.lease is not None:
@@ -752,7 +748,6 @@ class Supervisor:
         if len(batch.tasks) > 1:
             for t in batch.tasks:
                 t.move(TaskState.QUEUED)
-                t.attempts -= 1
             self.queue.push_replays([Batch([t], stack=False) for t in batch.tasks], count=False)
             return
         task = batch.tasks[0]

@@ -233,7 +233,8 @@ class Worker:
             outs: list[Any] = list(items)
         else:
             with self._fields(t, "preprocess"):
-                outs = [self._attempt("preprocess", functools.partial(self._prepare_item, it)) for it in items]
+                outs = [it if isinstance(it, RemoteError) else
+                        self._attempt("preprocess", functools.partial(self._prepare_item, it)) for it in items]
         ok = [i for i, f in enumerate(outs) if not isinstance(f, RemoteError)]
         if self.session is not None and ok:
             run, timeout = self.session.run, self.boot.task_timeout

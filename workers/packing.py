@@ -17,12 +17,14 @@ import numpy as np
 
 from slabpool.shm.alloc import align_up
 from slabpool.shm.pages import private_copy
+from slabpool.workers.errors import TaskDataError
 from slabpool.workers.protocol import (
     ArrayRef,
     Chunk,
     FlatSkeleton,
     Hole,
     Packed,
+    RemoteError,
     Rows,
     Sealed,
     flat_skeleton,
@@ -201,6 +203,14 @@ def _rows(sk: Rows, arrays: list[np.ndarray]) -> Chunk:
     return out
 
 
+def _fill_item(node: Any, arrays: list[np.ndarray]) -> Any:
+    """One item of a chunk; one that cannot be unpickled becomes its RemoteError (it fails alone)."""
+    try:
+        return _fill(node, arrays)
+    except TaskDataError as exc:
+        return RemoteError("data", "TypeError", str(exc), "")
+
+
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
     if type(node) is Hole:
         return arrays[node.at]
@@ -209,7 +219,7 @@ def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(node, dict):
         return {k: _fill(v, arrays) for k, v in node.items()}
     if type(node) is Chunk:
-        return Chunk(_fill(v, arrays) for v in node)
+        return Chunk(_fill_item(v, arrays) for v in node)
     if isinstance(node, list):
         return [_fill(v, arrays) for v in node]
     if isinstance(node, tuple):
