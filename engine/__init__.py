@@ -23,6 +23,17 @@
           shared memory (or a whole stacked batch, bisected if it kills again); a task
           charged max_attempts times ends as PoisonTask; nothing else fails
 
+     containment (docs/faults.md): one task's data never stops the supervisor
+       - a context, and a preprocess's inputs, are pickled alone at step 2 (TypeError there);
+         results made by user code are pickled alone at 7 and opened alone at 8: a task whose
+         data does not cross fails alone (TaskDataError)
+       - outputs of a group or a stacked batch too large for one region: the worker is told
+         to split (OutputGrant SPLIT), its tasks go back uncharged; sizes are learnt, later
+         groups fit; ShmCapacityError only for outputs larger than the whole arena
+       - task_timeout counts the task in hand (status word 1, written by the worker), never a
+         group's total; a slot with no progress for stall_after gets no more work and what
+         was sent ahead to it is revoked (Revoke) and runs elsewhere, on copies of its inputs
+
 Actors:
 - `Engine` (engine.api): the caller's API. Steps 1-2 run in the caller's thread; the
   admission queue (engine.admission) bounds what is accepted and not yet running. `map()`
