@@ -37,7 +37,7 @@ from slabpool.shm import (
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.main import WorkerBoot
-from slabpool.workers.protocol import Chunk, FaultSpec, FlatSkeleton, SessionInfo, seal
+from slabpool.workers.protocol import Chunk, FaultSpec, FlatSkeleton, Rows, SessionInfo, seal
 from slabpool.workers.session import SessionSpec, detect_backend
 
 
@@ -271,7 +271,11 @@ def _slot_stats(slot: Any) -> SlotStats:
 
 
 def _plain(skeleton: Any) -> bool:
-    """A dict of arrays with string keys: nothing in it that could fail to (un)pickle."""
+    """A dict of arrays with string keys: nothing in it that could fail to (un)pickle. A chunk
+    of dicts of arrays stacked (Rows) travels as it is: only its names are the caller's (and a
+    name that does not pickle is caught when the batch is sent, failing that task alone)."""
+    if type(skeleton) is Rows:
+        return True
     return type(skeleton) is FlatSkeleton and all(type(k) is str for k in skeleton)
 
 

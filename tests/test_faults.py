@@ -156,34 +156,34 @@ def test_stacked_batches_whose_outputs_do_not_fit_together_are_split(tmp_path):
         _run_all(eng, xs[:8], lambda x: np.tile(x, (1, 7)))  # sized to fit from the start now
 
 
-def test_a_small_arena_with_batching_delivers_every_item(models):
-    """A 16 MiB arena, 4 MiB outputs per item, max_batch_size=4: batches of two at most."""
-    x = np.ones((1, 256 * 1024), np.float32)
-    with Engine(models.payload, workers=2, shm_capacity=16 * MiB, max_batch_size=4, max_batch_wait_ms=20) as eng:
-        _run_all(eng, [x * i for i in range(40)], lambda x: x * 2)
+def test_a_small_arena_with_batching_delivers_every_item(tmp_path):
+    """A 16 MiB arena, 4 MiB outputs per item (from 0.5 MiB in), max_batch_size=4: a batch of
+    four would need twice the 8 MiB one batch may hold; batches are split to fit."""
+    elements = MiB // 8
+    model = _tile_model(tmp_path / "tile.onnx", elements, 8)
+    xs = [np.full((1, elements), float(i), np.float32) for i in range(40)]
+    with Engine(model, workers=2, shm_capacity=16 * MiB, max_batch_size=4, max_batch_wait_ms=50,
+                queue_capacity=64) as eng:
+        _run_all(eng, xs, lambda x: np.tile(x, (1, 8)))
         assert eng.stats().failed == 0
 
 
-@pytest.mark.parametrize("recycle", [True, False])
-def test_groups_sent_to_a_fresh_worker_fit(models, tmp_path, recycle):
-    """Without batching: groups sent after recycling (max_tasks_per_worker) or after a replay
-    hold outputs that must fit one region together: none fails for sharing."""
-    elements = 1024 * 1024  # 4 MiB in and out per task
-    path = onnx_models_payload(tmp_path, elements)
-    xs = [np.full((1, elements), float(i), np.float32) for i in range(30)]
-    kw = {"max_tasks_per_worker": 7} if recycle else {"_fault_injection": True}
-    with Engine(path, workers=1, shm_capacity=24 * MiB, **kw) as eng:
-        if not recycle:
+@pytest.mark.parametrize("fresh", ["recycled", "replayed"])
+def test_groups_sent_to_a_fresh_worker_fit(tmp_path, fresh):
+    """Without batching, tiny tasks go in groups, one output region per group: 1 MiB outputs,
+    groups of several, an 8 MiB arena (4 MiB per group). After recycling
+    (max_tasks_per_worker) or a replay the groups are sized anew: none fails for sharing."""
+    elements = MiB // 64
+    model = _tile_model(tmp_path / "tile.onnx", elements, 16)
+    xs = [np.full((1, elements), float(i), np.float32) for i in range(120)]
+    kw: dict = {"max_tasks_per_worker": 40} if fresh == "recycled" else {"_fault_injection": True}
+    with Engine(model, workers=1, shm_capacity=8 * MiB, queue_capacity=200, **kw) as eng:
+        _run_all(eng, xs[:40], lambda x: np.tile(x, (1, 16)))  # measured: tiny tasks, groups next
+        if fresh == "replayed":
             from slabpool.workers.protocol import FaultSpec
             eng.submit({"x": xs[0]}, _fault=FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(60)
-        _run_all(eng, xs, lambda x: x * 2)
+        _run_all(eng, xs, lambda x: np.tile(x, (1, 16)))
         assert eng.stats().failed == 0
-
-
-def onnx_models_payload(tmp_path: Path, elements: int) -> Path:
-    from tests.models import onnx_models
-
-    return onnx_models.payload(tmp_path / "payload.onnx", elements=elements)
 
 
 def test_outputs_that_can_never_fit_fail_as_shm_capacity_error_alone():
