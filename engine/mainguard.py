@@ -17,9 +17,14 @@ from types import FrameType
 def check_main_guard(start_method: str) -> None:
     """RuntimeError, saying what to do, if Engine() runs at the top level of the main script
     outside `if __name__ == "__main__":`. Interactive sessions, `python -c` and notebooks have
-    no main script to import again: nothing to check."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    no main script to import again, and `python -m package` is not run again in a worker
+(multiprocessing skips a package's __main__): nothing to check."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
     if not path:
+        return
+    name = getattr(getattr(main, "__spec__", None), "name", "")
+    if name.endswith(".__main__"):  # `python -m package`: multiprocessing never runs it again
         return
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:

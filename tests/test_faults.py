@@ -368,3 +368,19 @@ def test_a_full_disk_while_writing_output_names_the_file_and_the_cause(tmp_path)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert "written" in str(info.value) and "bytes free" in str(info.value)
     assert not path.exists() and not list(tmp_path.iterdir())  # no torn file either
+
+
+def test_a_package_run_with_dash_m_needs_no_guard(tmp_path):
+    """`python -m package` runs package/__main__.py, which multiprocessing never imports again
+    in a worker: its top level may make an Engine."""
+    pkg = tmp_path / "tool"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import numpy as np\nfrom slabpool import Engine\n"
+                                     "with Engine(None, workers=1, preprocess='tests.hooks:double') as eng:\n"
+                                     "    print(eng.infer({'x': np.ones(2)})['y'].tolist())\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{tmp_path}"}
+    out = subprocess.run([sys.executable, "-m", "tool"], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "[2.0, 2.0]" in out.stdout
