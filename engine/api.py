@@ -69,6 +69,22 @@ class Engine(BaseEngine):
             self._release_shm()
             raise
 
+    @property
+    def _init_fault(self) -> FaultSpec | None:
+        return self._init_fault_spec
+
+    @_init_fault.setter
+    def _init_fault(self, spec: FaultSpec | None) -> None:
+        """Tests: a fault in the initializer of every worker started from now on."""
+        self._init_fault_spec = spec
+        if hasattr(self, "_sup"):
+            self._sup.boot = self._boot_factory(self.config)
+
+    def _boot_factory(self, cfg: EngineConfig) -> functools.partial[WorkerBoot]:
+        """What the supervisor calls to boot a worker: a module function, not a method (the
+        supervisor must not keep the Engine alive)."""
+        return functools.partial(_boot, cfg, self._inputs.capacity, self._outputs.capacity, self._init_fault_spec)
+
     def _build(self, cfg: EngineConfig) -> None:
         """Arenas, queue, supervisor, workers. Nothing the supervisor thread keeps refers to
         the Engine (a weak reference at most): an engine nobody holds is collected, and then
@@ -80,10 +96,9 @@ class Engine(BaseEngine):
         self._inputs = Arena("in", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
         self._outputs = Arena("out", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance)
         self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, _no_wake, cfg.queue_bytes)
-        boot = functools.partial(_boot, cfg, self._inputs.capacity, self._outputs.capacity, self._init_fault)
         self._sup = Supervisor(
             cfg, self._queue, self._inputs, self._outputs,
-            multiprocessing.get_context(cfg.start_method), boot, self._metrics,
+            multiprocessing.get_context(cfg.start_method), self._boot_factory(cfg), self._metrics,
         )
         self._queue.set_wake(self._sup.wake)
         self._sup.start()

@@ -299,7 +299,7 @@ def test_input_larger_than_the_arena(models):
 
 def test_outputs_larger_than_the_arena_fail_the_task_cleanly(models):
     with Engine(None, workers=1, preprocess="tests.test_contract:_blow_up", shm_capacity=1 << 20) as eng:
-        with pytest.raises(SessionRunError, match="exceed the output arena"):
+        with pytest.raises(ShmCapacityError, match="more than the output arena can ever hold"):
             eng.submit({"n": 1 << 20}).result(timeout=30)
         assert eng.submit({"n": 10}).result(timeout=30).outputs["y"].shape == (10,)
 

@@ -251,6 +251,8 @@ def caller_raises(r: Run) -> None:
 
 
 def caller_kills(r: Run) -> None:
+    for f, i in r.good:  # idle slots: the hanging task is the one in hand, not sent ahead
+        check(f, i)
     fut = r.eng.submit(item(0, fault="hang"))
     deadline = time.monotonic() + 60  # only a deadlock reaches it
     while not fut.running() and time.monotonic() < deadline:

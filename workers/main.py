@@ -40,6 +40,7 @@ from slabpool.workers.protocol import (
     Chunk,
     FaultSpec,
     FlatSkeleton,
+    Hole,
     InitFailed,
     NeedOutput,
     Outcome,
@@ -471,8 +472,11 @@ class Worker:
             return seal(skeleton, what)
         items = []
         for item in skeleton:
+            if isinstance(item, RemoteError) or _plain(item):
+                items.append(item)
+                continue
             try:
-                items.append(item if isinstance(item, RemoteError) else seal(item, what))
+                items.append(seal(item, what))
             except TaskDataError as exc:
                 items.append(remote_error(exc, "data"))
         return Chunk(items)
@@ -496,6 +500,11 @@ class Worker:
 
 class DeadlinePassed(Exception):
     """The task reached its deadline before it started (it waited in this worker's pipe)."""
+
+
+def _plain(item: Any) -> bool:
+    """A dict of arrays with string keys (now holes): nothing in it to fail pickling."""
+    return type(item) is dict and all(type(k) is str and type(v) is Hole for k, v in item.items())
 
 
 def _denied(grant: OutputGrant, total: int) -> RemoteError:
