@@ -35,20 +35,20 @@
          was sent ahead to it is revoked (Revoke) and runs elsewhere, on copies of its inputs
 
 Actors:
-- `Engine` (engine.api): the caller's API. Steps 1-2 run in the caller's thread; the
-  admission queue (engine.admission) bounds what is accepted and not yet running. `map()`
-  (engine.frontend) sends tiny items many to a task (a Chunk: one outcome per item);
+- `Engine` (engine.local.pool): the caller's API. Steps 1-2 run in the caller's thread; the
+  admission queue (engine.core.admission) bounds what is accepted and not yet running. `map()`
+  (engine.caller.base) sends tiny items many to a task (a Chunk: one outcome per item);
   `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as contiguous blocks,
-  one task each, cut down to rows when a block fails (engine.blocks).
-- `Supervisor` (engine.supervisor): one thread; the only one that touches slots and running
+  one task each, cut down to rows when a block fails (engine.caller.blocks).
+- `Supervisor` (engine.local.supervisor): one thread; the only one that touches slots and running
   tasks. It waits on every pipe, every process sentinel and a wake-up pipe in one selector.
   Tiny tasks go to a slot in groups (one message each way); with max_batch_size they are
-  stacked into one session call. Hot model swaps: engine.reload.
-- `Slot` (engine.slot): one worker process and its private pipe (one per incarnation).
+  stacked into one session call. Hot model swaps: engine.local.reload.
+- `Slot` (engine.local.slot): one worker process and its private pipe (one per incarnation).
 - `slabpool.workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
-Lifecycles (engine.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
+Lifecycles (engine.core.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
 READY <-> BUSY -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
 Importing `engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
 """

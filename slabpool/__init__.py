@@ -35,10 +35,10 @@ except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from slabpool.engine.api import Engine
-    from slabpool.engine.ray_backend import RayEngine
-    from slabpool.engine.stats import EngineStats, ModelDescription, SlotStats
-    from slabpool.engine.task import Result, Timings
+    from slabpool.engine.core.stats import EngineStats, ModelDescription, SlotStats
+    from slabpool.engine.core.task import Result, Timings
+    from slabpool.engine.local.pool import Engine
+    from slabpool.engine.ray.backend import RayEngine
     from slabpool.workers.errors import (
         EngineClosed,
         EngineError,
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         SessionRunError,
         ShmCapacityError,
         TaskCancelled,
+        TaskDataError,
         TaskError,
         TaskTimeout,
         WorkerCrashed,
@@ -59,17 +60,17 @@ if TYPE_CHECKING:
 
 _ERRORS = (
     "EngineClosed", "EngineError", "EngineInternalError", "InputContractError", "PoisonTask",
-    "QueueFull", "RowsFailed", "SessionInitError", "SessionRunError", "ShmCapacityError", "TaskCancelled",
+    "QueueFull", "RowsFailed", "SessionInitError", "SessionRunError", "ShmCapacityError", "TaskCancelled", "TaskDataError",
     "TaskError", "TaskTimeout", "WorkerCrashed", "WorkerError",
 )
 _LAZY = {
-    "Engine": "slabpool.engine.api",
-    "RayEngine": "slabpool.engine.ray_backend",
-    "EngineStats": "slabpool.engine.stats",
-    "ModelDescription": "slabpool.engine.stats",
-    "SlotStats": "slabpool.engine.stats",
-    "Result": "slabpool.engine.task",
-    "Timings": "slabpool.engine.task",
+    "Engine": "slabpool.engine.local.pool",
+    "RayEngine": "slabpool.engine.ray.backend",
+    "EngineStats": "slabpool.engine.core.stats",
+    "ModelDescription": "slabpool.engine.core.stats",
+    "SlotStats": "slabpool.engine.core.stats",
+    "Result": "slabpool.engine.core.task",
+    "Timings": "slabpool.engine.core.task",
     **{name: "slabpool.workers.errors" for name in _ERRORS},
 }
 
@@ -91,6 +92,7 @@ __all__ = [
     "ShmCapacityError",
     "SlotStats",
     "TaskCancelled",
+    "TaskDataError",
     "TaskError",
     "TaskTimeout",
     "Timings",

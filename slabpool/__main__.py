@@ -1,6 +1,6 @@
 """`python -m slabpool ...` is the `slabpool` command."""
 
-from slabpool.engine.cli import main
+from slabpool.engine.job.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from slabpool.engine.admission import TaskQueue
-from slabpool.engine.task import Batch, Task
+from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.task import Batch, Task
 from slabpool.workers.protocol import Packed
 
 

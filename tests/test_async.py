@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine import aio
+from slabpool.engine.caller import aio
 from slabpool.workers.errors import QueueFull, SessionRunError, TaskCancelled
 from tests.models import onnx_models
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine, EngineError, InputContractError, PoisonTask, RowsFailed, SessionRunError
-from slabpool.engine.blocks import PROBE_ROWS, BlockSizer
+from slabpool.engine.caller.blocks import PROBE_ROWS, BlockSizer
 from tests.models import onnx_models
 from tests.reference import litert_run, ort_run
 

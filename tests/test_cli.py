@@ -25,12 +25,12 @@ import psutil
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.job_io import read_output
+from slabpool.engine.job.store import read_output
 from tests.reference import ort_run
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-CLI = [sys.executable, "-m", "slabpool.engine.cli"]
+CLI = [sys.executable, "-m", "slabpool.engine.job.cli"]
 DEADLINE = 120  # only a hang reaches it
 
 

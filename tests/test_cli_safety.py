@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from slabpool.engine.job_io import savez
+from slabpool.engine.job.store import savez
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, jsonl, rows, slabpool, wait_until
 
 
@@ -52,7 +52,7 @@ def test_outputs_named_like_savez_keywords(tmp_path: Path, models: SimpleNamespa
         p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1,
                      "--postprocess", "tests.cli_hooks:named_like_savez")
         assert p.returncode == 0, p.stderr
-    from slabpool.engine.job_io import read_output
+    from slabpool.engine.job.store import read_output
 
     with np.load(tmp_path / "o.npz") as z:
         got = dict(z)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.config import usable_cpus
+from slabpool.engine.core.config import usable_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE = 120  # only a hang reaches it

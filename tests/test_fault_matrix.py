@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.states import EngineState
+from slabpool.engine.core.states import EngineState
 from slabpool.workers.errors import (
     InputContractError,
     PoisonTask,

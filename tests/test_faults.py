@@ -20,8 +20,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from slabpool import Engine
-from slabpool.engine.mainguard import _guarded_lines
-from slabpool.engine.states import EngineState
+from slabpool.engine.core.states import EngineState
+from slabpool.engine.local.mainguard import _guarded_lines
 from slabpool.workers.errors import (
     InputContractError,
     PoisonTask,
@@ -354,7 +354,7 @@ def test_a_full_disk_while_writing_output_names_the_file_and_the_cause(tmp_path)
     part-way, as a full disk does; the error names the file and says no space was left."""
     import resource
 
-    from slabpool.engine.job_io import write_atomic
+    from slabpool.engine.job.store import write_atomic
 
     path = tmp_path / "shard.npy"
     old = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from slabpool.engine import job_parquet
-from slabpool.engine.job_io import Failure, Store
-from slabpool.engine.job_sources import column_array, open_source
+from slabpool.engine.job import parquet as job_parquet
+from slabpool.engine.job.sources import column_array, open_source
+from slabpool.engine.job.store import Failure, Store
 from tests.models.onnx_models import mlp_reference
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, jsonl, rows, slabpool
 
@@ -288,7 +288,7 @@ def test_keep_needs_parquet_and_a_known_column(tmp_path: Path, models: SimpleNam
 
 def test_missing_pyarrow_is_a_clear_error(tmp_path: Path, models: SimpleNamespace) -> None:
     pq.write_table(pa.table({"x": rows(2).tolist()}), tmp_path / "t.parquet")
-    code = ("import sys; sys.modules['pyarrow'] = None; from slabpool.engine.cli import main; "
+    code = ("import sys; sys.modules['pyarrow'] = None; from slabpool.engine.job.cli import main; "
             f"sys.exit(main(['run', {str(models.mlp)!r}, {str(tmp_path / 't.parquet')!r}, '-o', "
             f"{str(tmp_path / 'o.npz')!r}]))")
     p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=DEADLINE)

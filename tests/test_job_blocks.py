@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
-from slabpool.engine.job_io import read_output
+from slabpool.engine.job.store import read_output
 from tests.reference import ort_run
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, jsonl, slabpool, wait_until
 
@@ -206,9 +206,9 @@ def test_damaged_direct_rows_run_again(tmp_path: Path, models: SimpleNamespace) 
 def test_resume_over_shards_of_an_earlier_version(tmp_path: Path, models: SimpleNamespace) -> None:
     """A .npy job begun by a version that kept shards resumes: those rows are copied into the
     direct file once, the rest computed, the OUTPUT complete."""
-    from slabpool.engine.job import JobSpec, fingerprint
-    from slabpool.engine.job_io import Store
-    from slabpool.engine.job_sources import open_source
+    from slabpool.engine.job.run import JobSpec, fingerprint
+    from slabpool.engine.job.sources import open_source
+    from slabpool.engine.job.store import Store
 
     x = RNG.standard_normal((1000, 16)).astype(np.float32)
     np.save(tmp_path / "in.npy", x)

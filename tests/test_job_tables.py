@@ -24,8 +24,8 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from slabpool.engine.blocks import RowsUnreadable
-from slabpool.engine.job_sources import open_source
+from slabpool.engine.caller.blocks import RowsUnreadable
+from slabpool.engine.job.sources import open_source
 from slabpool.workers.protocol import TensorSpec
 from tests.models.onnx_models import poison_reference
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, slabpool, wait_until

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.metrics import register
+from slabpool.engine.core.metrics import register
 from slabpool.workers.errors import SessionRunError, TaskCancelled
 
 prometheus_client = pytest.importorskip("prometheus_client")

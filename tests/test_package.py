@@ -32,6 +32,26 @@ def _imports_of(path: Path) -> set[str]:
     return {name for name in found if name == "slabpool" or name.startswith("slabpool.")}
 
 
+# Inside engine/: the owner core knows no backend; the caller's side only the core; each
+# backend the core and the caller's side; the batch job runs on the local backend.
+INNER = {"core": set(), "caller": {"core"}, "local": {"core", "caller"}, "ray": {"core", "caller"},
+         "job": {"core", "caller", "local"}}
+
+
+@pytest.mark.parametrize("part", sorted(INNER))
+def test_engine_subpackages_point_one_way(part: str) -> None:
+    wrong = []
+    for path in sorted((REPO / "engine" / part).rglob("*.py")):
+        for module in _imports_of(path):
+            parts = module.split(".")
+            if parts[:2] != ["slabpool", "engine"] or len(parts) < 3:
+                continue
+            if parts[2] != part and parts[2] not in INNER[part]:
+                wrong.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+    assert sorted(p.name for p in (REPO / "engine").glob("*.py")) == ["__init__.py"], "engine/ holds subpackages only"
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_layers_point_one_way(layer: str) -> None:
     wrong = []
@@ -53,7 +73,7 @@ def test_the_subpackages_are_the_root_folders() -> None:
 def test_public_names_resolve_lazily() -> None:
     code = (
         "import sys, slabpool\n"
-        "assert 'onnxruntime' not in sys.modules and 'slabpool.engine.api' not in sys.modules\n"
+        "assert 'onnxruntime' not in sys.modules and 'slabpool.engine.local.pool' not in sys.modules\n"
         "for name in slabpool.__all__: getattr(slabpool, name)\n"
         "assert issubclass(slabpool.PoisonTask, slabpool.TaskError)\n"
         "assert 'onnxruntime' not in sys.modules\n"
@@ -63,7 +83,7 @@ def test_public_names_resolve_lazily() -> None:
     assert out.stdout.strip() == slabpool.__version__ != "0+unknown"
 
 
-@pytest.mark.parametrize("argv", [["-m", "slabpool", "--version"], ["-m", "slabpool.engine.cli", "--version"]])
+@pytest.mark.parametrize("argv", [["-m", "slabpool", "--version"], ["-m", "slabpool.engine.job.cli", "--version"]])
 def test_version_on_the_command_line(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"slabpool {slabpool.__version__}"
@@ -166,10 +186,10 @@ def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
         "Engine('m.onnx', worker=2)\n"
     )
     out, _, _ = api.run([str(snippet), "--no-incremental", "--follow-imports=silent"])
-    assert 'Revealed type is "slabpool.engine.api.Engine"' in out
-    assert "concurrent.futures._base.Future[slabpool.engine.task.Result]" in out
+    assert 'Revealed type is "slabpool.engine.local.pool.Engine"' in out
+    assert "concurrent.futures._base.Future[slabpool.engine.core.task.Result]" in out
     assert 'Revealed type is "int"' in out or 'Revealed type is "builtins.int"' in out
-    assert 'Revealed type is "slabpool.engine.ray_backend.RayEngine"' in out
+    assert 'Revealed type is "slabpool.engine.ray.backend.RayEngine"' in out
     assert 'Unexpected keyword argument "worker"' in out
 
 

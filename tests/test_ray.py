@@ -36,7 +36,7 @@ import psutil
 import pytest
 
 from slabpool import Engine, RayEngine
-from slabpool.engine.states import EngineState
+from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
 from tests.models import onnx_models
@@ -269,7 +269,7 @@ def test_metrics_are_the_same_families(backend: str, models: SimpleNamespace) ->
     import prometheus_client
     from prometheus_client.parser import text_string_to_metric_families
 
-    from slabpool.engine.metrics import register
+    from slabpool.engine.core.metrics import register
 
     registry = prometheus_client.CollectorRegistry()
     with build(backend, models.mlp) as eng:
@@ -409,7 +409,7 @@ def test_ray_data_adapter(ray_only: SimpleNamespace | None, models: SimpleNamesp
         return
     import ray.data
 
-    from slabpool.engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray.data import SlabpoolPredictor
 
     x = rows(7, n=48)
     ds = ray.data.from_items([{"id": i, "x": x[i]} for i in range(48)])
@@ -428,7 +428,7 @@ def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None
     """The adapter needs no Ray to be called: session, contract check and hooks, per batch."""
     if INNER:
         pytest.skip("runs in the outer pytest process")
-    from slabpool.engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray.data import SlabpoolPredictor
 
     x = rows(3, n=5)
     batch = {"id": np.arange(5), "x": x}

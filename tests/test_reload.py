@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.reload import SignatureChanged
+from slabpool.engine.local.reload import SignatureChanged
 from slabpool.workers.errors import SessionInitError
 from tests.models import onnx_models
 from tests.reference import ort_run

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from slabpool.engine.blocks import RowsUnreadable, row_bytes, slice_rows
+from slabpool.engine.caller.blocks import RowsUnreadable, row_bytes, slice_rows
 from slabpool.workers.protocol import TensorSpec
 
 Array = npt.NDArray[Any]

@@ -26,7 +26,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from slabpool.engine.job_sources import JobError, require_pyarrow
+from slabpool.engine.job.sources import JobError, require_pyarrow
 
 Array = npt.NDArray[Any]
 Schema = dict[str, tuple[str, tuple[int, ...]]]  # output name -> (dtype str, row shape); "py": as is

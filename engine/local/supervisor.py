@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from slabpool.engine import recovery
-from slabpool.engine.admission import MAX_GROUP, MIN_GROUP, TaskQueue
-from slabpool.engine.config import EngineConfig
-from slabpool.engine.recovery import IDLE
-from slabpool.engine.reload import Reload
-from slabpool.engine.slot import Slot
-from slabpool.engine.states import SlotState, TaskState
-from slabpool.engine.task import Batch, Result, Task, Timings
+from slabpool.engine.core import recovery
+from slabpool.engine.core.admission import MAX_GROUP, MIN_GROUP, TaskQueue
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.recovery import IDLE
+from slabpool.engine.core.states import SlotState, TaskState
+from slabpool.engine.core.task import Batch, Result, Task, Timings
+from slabpool.engine.local.reload import Reload
+from slabpool.engine.local.slot import Slot
 from slabpool.shm import Arena
 from slabpool.shm.alloc import align_up
 from slabpool.workers import errors as E

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slabpool.engine.task import Batch, Task
+from slabpool.engine.core.task import Batch, Task
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 MAX_GROUP = 32  # tasks in one group (one message each way)

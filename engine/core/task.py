@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from slabpool.engine.states import TaskState
+from slabpool.engine.core.states import TaskState
 from slabpool.shm import Lease
 from slabpool.workers.errors import Crash
 from slabpool.workers.protocol import FaultSpec, Packed

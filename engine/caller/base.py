@@ -19,14 +19,14 @@ from typing import Any, Literal, Self
 
 import numpy as np
 
-from slabpool.engine import blocks
-from slabpool.engine.admission import TaskQueue
-from slabpool.engine.aio import AsyncEngineMixin
-from slabpool.engine.config import Admission, EngineConfig, MiB, resolve
-from slabpool.engine.metrics import Histogram, Metrics, render
-from slabpool.engine.states import EngineState
-from slabpool.engine.stats import EngineStats, ModelDescription
-from slabpool.engine.task import Result, Task
+from slabpool.engine.caller import blocks
+from slabpool.engine.caller.aio import AsyncEngineMixin
+from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
+from slabpool.engine.core.metrics import Histogram, Metrics, render
+from slabpool.engine.core.states import EngineState
+from slabpool.engine.core.stats import EngineStats, ModelDescription
+from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import Chunk, FaultSpec, RemoteError, SessionInfo, TensorSpec

@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
-    from slabpool.engine.config import EngineConfig
-    from slabpool.engine.task import Result
+    from slabpool.engine.core.config import EngineConfig
+    from slabpool.engine.core.task import Result
 
 T = TypeVar("T")
 INLINE_COPY_BYTES = 1 << 20  # larger inputs are copied into shared memory off the loop thread
 
 
 class _Host(Protocol):
-    """What the async front end needs of an engine (`slabpool.engine.api.Engine` provides it)."""
+    """What the async front end needs of an engine (`slabpool.engine.local.pool.Engine` provides it)."""
 
     @property
     def config(self) -> EngineConfig: ...

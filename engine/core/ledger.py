@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from slabpool.engine.admission import TaskQueue
-from slabpool.engine.states import TaskState
-from slabpool.engine.task import Result, Task
+from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.task import Result, Task
 from slabpool.workers import errors
 from slabpool.workers.errors import Crash
 

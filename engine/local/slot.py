@@ -15,8 +15,8 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from slabpool.engine.states import SlotState
-from slabpool.engine.task import Batch
+from slabpool.engine.core.states import SlotState
+from slabpool.engine.core.task import Batch
 from slabpool.shm.mapping import PassFd
 from slabpool.workers.main import WorkerBoot, main
 from slabpool.workers.protocol import SessionInfo, encode

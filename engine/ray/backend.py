@@ -43,15 +43,15 @@ import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError
 
-from slabpool.engine.admission import TaskQueue, superseded_error
-from slabpool.engine.config import EngineConfig
-from slabpool.engine.frontend import BaseEngine, TaskFuture
-from slabpool.engine.ledger import TaskLedger
-from slabpool.engine.metrics import Metrics
-from slabpool.engine.owner import OwnerThread
-from slabpool.engine.states import EngineState, SlotState, TaskState
-from slabpool.engine.stats import EngineStats, SlotStats
-from slabpool.engine.task import Batch, Result, Task, Timings
+from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.core.admission import TaskQueue, superseded_error
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.ledger import TaskLedger
+from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.owner import OwnerThread
+from slabpool.engine.core.states import EngineState, SlotState, TaskState
+from slabpool.engine.core.stats import EngineStats, SlotStats
+from slabpool.engine.core.task import Batch, Result, Task, Timings
 from slabpool.workers import context as task_context
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash

@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from slabpool import __version__
-from slabpool.engine.job import JobSpec, run_job, summary
-from slabpool.engine.job_io import JobError, write_atomic
+from slabpool.engine.job.run import JobSpec, run_job, summary
+from slabpool.engine.job.store import JobError, write_atomic
 from slabpool.workers.errors import EngineError
 
 DEMO_ITEMS = 512
@@ -233,7 +233,7 @@ def _report_run(spec: JobSpec) -> int:
 
 
 def demo_model() -> Path:
-    return Path(__file__).parent / "data" / "demo.onnx"
+    return Path(__file__).parent.parent / "data" / "demo.onnx"
 
 
 def demo_folder() -> Path:
@@ -278,7 +278,7 @@ def _dims(shape: tuple[int | None, ...]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, argv: list[str]) -> int:
-    from slabpool.engine.api import Engine
+    from slabpool.engine.local.pool import Engine
 
     if not args.model.is_file():
         raise JobError(f"model not found: {args.model}")
@@ -335,7 +335,7 @@ def _mib(n: float) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
-    from slabpool.engine.config import usable_cpus
+    from slabpool.engine.core.config import usable_cpus
 
     try:
         vfs = os.statvfs("/dev/shm")
@@ -383,8 +383,8 @@ def random_item(specs: Any, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from slabpool.engine.api import Engine
-    from slabpool.engine.config import usable_cpus
+    from slabpool.engine.core.config import usable_cpus
+    from slabpool.engine.local.pool import Engine
 
     if not args.model.is_file():
         raise JobError(f"model not found: {args.model}")

@@ -1,7 +1,7 @@
 """Ray Data adapter: our worker session as the callable class of `Dataset.map_batches`.
 
     from ray.data import ActorPoolStrategy
-    from slabpool.engine.ray_data import SlabpoolPredictor
+    from slabpool.engine.ray.data import SlabpoolPredictor
 
     out = ds.map_batches(
         SlabpoolPredictor,
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from slabpool.engine.config import resolve
+from slabpool.engine.core.config import resolve
 from slabpool.workers import context as task_context
 from slabpool.workers.pipeline import TaskPipeline
 from slabpool.workers.session import ModelSession, load_session
@@ -34,7 +34,7 @@ from slabpool.workers.session import ModelSession, load_session
 class SlabpoolPredictor:
     """`ds.map_batches(SlabpoolPredictor, fn_constructor_kwargs={"model": path, ...}, ...)`.
 
-    Settings are validated by `slabpool.engine.config.resolve`, as for `Engine`: `backend`, `providers`,
+    Settings are validated by `slabpool.engine.core.config.resolve`, as for `Engine`: `backend`, `providers`,
     `delegate`, `delegate_options`, `allow_fallback`, `threads_per_worker`, `preprocess`,
     `postprocess`, `initializer`, `initargs` (hooks as callables or 'module:function').
     `context` is bound while each batch runs (`slabpool.workers.context.current()`).

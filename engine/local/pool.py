@@ -16,16 +16,16 @@ from typing import Any
 
 import psutil
 
-from slabpool.engine.admission import TaskQueue, superseded_error
-from slabpool.engine.config import EngineConfig
-from slabpool.engine.frontend import BaseEngine, TaskFuture
-from slabpool.engine.mainguard import check_main_guard
-from slabpool.engine.metrics import Metrics
-from slabpool.engine.reload import Reload
-from slabpool.engine.states import EngineState, TaskState
-from slabpool.engine.stats import EngineStats, SlotStats
-from slabpool.engine.supervisor import Supervisor
-from slabpool.engine.task import Result, Task
+from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.core.admission import TaskQueue, superseded_error
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.states import EngineState, TaskState
+from slabpool.engine.core.stats import EngineStats, SlotStats
+from slabpool.engine.core.task import Result, Task
+from slabpool.engine.local.mainguard import check_main_guard
+from slabpool.engine.local.reload import Reload
+from slabpool.engine.local.supervisor import Supervisor
 from slabpool.shm import (
     Arena,
     CapacityError,

@@ -48,9 +48,12 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 
-from slabpool.engine import job_hooks, job_parquet
-from slabpool.engine.blocks import BlockSizer, Piece, run_blocks
-from slabpool.engine.job_io import (
+from slabpool.engine.caller.blocks import BlockSizer, Piece, run_blocks
+from slabpool.engine.core.task import Result
+from slabpool.engine.job import hooks as job_hooks
+from slabpool.engine.job import parquet as job_parquet
+from slabpool.engine.job.sources import RowReader, Source, open_source
+from slabpool.engine.job.store import (
     Array,
     Failure,
     JobError,
@@ -63,8 +66,6 @@ from slabpool.engine.job_io import (
     write_atomic,
     write_json,
 )
-from slabpool.engine.job_sources import RowReader, Source, open_source
-from slabpool.engine.task import Result
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 
@@ -635,8 +636,8 @@ class _Run:
                 and not self.batched and bool(d and d.batchable) and numeric)
 
     def _start(self, *, blocks_possible: bool) -> Any:
-        from slabpool.engine.api import Engine
-        from slabpool.engine.config import usable_cpus
+        from slabpool.engine.core.config import usable_cpus
+        from slabpool.engine.local.pool import Engine
 
         s = self.spec
         self.workers = s.workers or usable_cpus()

@@ -44,9 +44,9 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from slabpool.engine import job_parquet
-from slabpool.engine.job_parquet import INDEX_KEY, Schema
-from slabpool.engine.job_sources import JobError
+from slabpool.engine.job import parquet as job_parquet
+from slabpool.engine.job.parquet import INDEX_KEY, Schema
+from slabpool.engine.job.sources import JobError
 
 Array = npt.NDArray[Any]
 __all__ = ["INDEX_KEY", "JobError", "RowError", "Schema", "Store", "read_output", "save_output", "savez"]

@@ -24,8 +24,8 @@ from slabpool.workers.protocol import SessionInfo
 from slabpool.workers.session import SessionSpec
 
 if TYPE_CHECKING:
-    from slabpool.engine.slot import Slot
-    from slabpool.engine.supervisor import Supervisor
+    from slabpool.engine.local.slot import Slot
+    from slabpool.engine.local.supervisor import Supervisor
 
 
 class SignatureChanged(EngineError, ValueError):

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from slabpool.engine.task import Result
+from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
 
 Array = npt.NDArray[Any]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slabpool.engine.states import TaskState
-from slabpool.engine.task import Batch, Task
+from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.task import Batch, Task
 from slabpool.workers.errors import Crash
 
 IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id

@@ -19,14 +19,13 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from slabpool.engine.states import SlotState
+from slabpool.engine.core.states import SlotState
 
 if TYPE_CHECKING:
-    from slabpool.engine.frontend import BaseEngine as Engine
-    from slabpool.engine.stats import EngineStats
-    from slabpool.engine.task import Timings
+    from slabpool.engine.core.stats import EngineStats
+    from slabpool.engine.core.task import Timings
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "slabpool"
@@ -161,7 +160,15 @@ class Family:
     histogram: Histogram | None = None
 
 
-def families(engine: Engine) -> list[Family]:
+class Observed(Protocol):
+    """What the metrics read of an engine (either backend): its stats and its histograms."""
+
+    def stats(self) -> EngineStats: ...
+
+    def histograms(self) -> dict[str, Histogram]: ...
+
+
+def families(engine: Observed) -> list[Family]:
     """Every family, from one `stats()` snapshot and one histogram snapshot."""
     st = engine.stats()
     out = [_family(f"tasks_{name}", "counter", help_, [((), getattr(st, name))]) for name, help_ in _COUNTERS]
@@ -204,7 +211,7 @@ def _family(name: str, kind: str, help_: str, samples: list[tuple[tuple[tuple[st
 # -- the text format ------------------------------------------------------------------------------
 
 
-def render(engine: Engine) -> str:
+def render(engine: Observed) -> str:
     """The Prometheus text format (version 0.0.4) for one engine."""
     lines: list[str] = []
     for fam in families(engine):
@@ -258,7 +265,7 @@ class EngineCollector:
     engine exposes nothing and is not kept alive) and the labels added to its samples.
     `unregister()` takes it out of the registry again."""
 
-    def __init__(self, engine: Engine, labels: Mapping[str, str], shared: _RegistryCollector) -> None:
+    def __init__(self, engine: Observed, labels: Mapping[str, str], shared: _RegistryCollector) -> None:
         self._engine = weakref.ref(engine)
         self.labels = dict(labels)
         self._shared = shared
@@ -302,7 +309,7 @@ class _RegistryCollector:
         self._members: list[EngineCollector] = []
         self._lock = threading.RLock()  # registering reads collect() on this thread
 
-    def add(self, engine: Engine, labels: Mapping[str, str]) -> EngineCollector:
+    def add(self, engine: Observed, labels: Mapping[str, str]) -> EngineCollector:
         with self._lock:
             for m in self._members:
                 if m.labels == dict(labels):
@@ -342,7 +349,7 @@ _SHARED: weakref.WeakKeyDictionary[Any, _RegistryCollector] = weakref.WeakKeyDic
 _SHARED_LOCK = threading.Lock()
 
 
-def register(engine: Engine, registry: Any = None, *, labels: Mapping[str, str] | None = None) -> EngineCollector:
+def register(engine: Observed, registry: Any = None, *, labels: Mapping[str, str] | None = None) -> EngineCollector:
     """Expose `engine` through prometheus_client: the same families as `render`, read from the
     engine's accounting at each scrape. `registry` defaults to prometheus_client's global one.
     Several engines share a registry when each has its own `labels` (e.g. {"engine": "resnet"}),
