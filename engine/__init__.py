@@ -34,23 +34,30 @@
          group's total; a slot with no progress for stall_after gets no more work and what
          was sent ahead to it is revoked (Revoke) and runs elsewhere, on copies of its inputs
 
-Actors:
-- `Engine` (engine.local.pool): the caller's API. Steps 1-2 run in the caller's thread; the
-  admission queue (engine.core.admission) bounds what is accepted and not yet running. `map()`
-  (engine.caller.base) sends tiny items many to a task (a Chunk: one outcome per item);
-  `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as contiguous blocks,
-  one task each, cut down to rows when a block fails (engine.caller.blocks).
-- `Supervisor` (engine.local.supervisor): one thread; the only one that touches slots and running
-  tasks. It waits on every pipe, every process sentinel and a wake-up pipe in one selector.
-  Tiny tasks go to a slot in groups (one message each way); with max_batch_size they are
-  stacked into one session call. Hot model swaps: engine.local.reload.
-- `Slot` (engine.local.slot): one worker process and its private pipe (one per incarnation).
-- `slabpool.workers.main`: the worker loop; one session (workers.ort / workers.litert) per process.
+Where the code is (imports point one way: core <- caller <- local, ray; job on local):
+- `engine.core`: the owner core both backends share. `owner.OwnerThread` is the one thread that
+  changes slots and running tasks (callers hand it callables: `call(fn, *args)`);
+  `ledger.TaskLedger` ends each task once (step 9: counters, histograms, Futures completed
+  after the step); `admission.TaskQueue` bounds what is accepted and not yet running; pure
+  policy: `dispatch` (steps 3-4: group and batch limits), `recovery` (step d: who is charged).
+- `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
+  `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
+  outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
+  contiguous blocks, one task each, cut down to rows when a block fails (`blocks`).
+- `engine.local`: `pool.Engine` and its `supervisor.Supervisor` (the owner thread: steps 3-4,
+  8-9 and the crash path a-d), built on `dispatcher.Dispatcher` (steps 3-4, 9's leases) and
+  `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
+  rebuild, retire); `regions` sizes output regions (7), `watchdog` times out and revokes,
+  `slot.Slot` is one worker process and its pipe, `reload` swaps the model slot by slot.
+- `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core.
+- `engine.job`: the batch job, `slabpool run`.
+- `slabpool.workers.main`: the worker loop; `slabpool.workers.pipeline` the steps 5-7 every kind
+  of worker runs (preprocess -> contract -> run -> postprocess); one session per process.
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
 Lifecycles (engine.core.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
 READY <-> BUSY -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
-Importing `engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
+Importing `slabpool.engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
 """
 
 from __future__ import annotations

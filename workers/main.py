@@ -18,11 +18,9 @@ import functools
 import logging
 import multiprocessing
 import os
-import random
 import signal
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from slabpool.shm.mapping import Mapping
-from slabpool.workers import context, contract, faults, packing
+from slabpool.workers import context, faults, packing
 from slabpool.workers.errors import InputContractError, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
+from slabpool.workers.pipeline import IDLE, STACKED, TaskPipeline, remote_error, seed_task
 from slabpool.workers.protocol import (
     BatchDone,
     Chunk,
@@ -85,7 +84,6 @@ class WorkerBoot:
     in_place_min_bytes: int | None = None  # see EngineConfig; None: outputs are always copied
     stack_chunks: bool = False  # run a chunk's items in one session call (max_batch_size > 1)
 
-IDLE, STACKED = -1, -2
 SPLIT = "split"  # an OutputGrant's error: the batch's outputs do not fit together; send it back
 
 
@@ -134,8 +132,9 @@ class Worker:
         session: ModelSession | None,
     ) -> None:
         self.boot, self.outbox = boot, outbox
-        self.conn = FrameReader(conn.fileno())  # conn stays open (and sends, via the outbox)
+        self.reader = FrameReader(conn.fileno())  # conn stays open (and sends, via the outbox)
         self.inputs, self.outputs, self.session = inputs, outputs, session
+        self.pipeline = TaskPipeline(session, boot.preprocess, boot.postprocess)
         self.pending: deque[Any] = deque()  # messages read while waiting for an OutputGrant
         in_place = session is not None and session.writes_in_place and boot.in_place_min_bytes is not None
         self.planner = OutputPlanner(outputs, boot.in_place_min_bytes or 0) if in_place else None
@@ -152,7 +151,7 @@ class Worker:
     def loop(self) -> None:
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(self.conn.recv())
+                msg = self.pending.popleft() if self.pending else decode(self.reader.recv())
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
@@ -209,24 +208,19 @@ class Worker:
         if t.deadline is not None and time.monotonic() > t.deadline:
             raise DeadlinePassed(f"task {t.task_id} waited past its deadline behind other work; not started")
         if self.boot.preprocess is not None or self.boot.postprocess is not None:
-            _seed(t.seed)  # before preprocess, so a replay draws the same random numbers
+            seed_task(t.seed)  # before preprocess, so a replay draws the same random numbers
         item = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
         return self._prepare_item(item)
 
     def _prepare_item(self, item: Any) -> Any:
-        if self.boot.preprocess is not None:
-            item = self.boot.preprocess(item)
-        if self.session is not None:
-            specs = self.session.info.inputs
-            item = contract.check(contract.normalize(item, specs), specs)
-        return item
+        return self.pipeline.prepare(item)  # preprocess, then the input contract
 
     def _run_chunk(self, t: TaskSpec) -> Chunk:
         """A chunk task (Engine.map): its items prepared, run (stacked in one session call when
         they can be), post-processed; an item's error is that item's outcome alone."""
         if self.boot.preprocess is not None or self.boot.postprocess is not None:
-            _seed(t.seed)
+            seed_task(t.seed)
         items = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
         # the context is bound by the caller (_guarded); per item, only errors are caught
@@ -440,8 +434,8 @@ class Worker:
 
     def _read_waiting(self) -> None:
         """Every message already in the pipe, into `pending` (read while a batch runs)."""
-        while self.conn.poll():
-            self.pending.append(decode(self.conn.recv()))
+        while self.reader.poll():
+            self.pending.append(decode(self.reader.recv()))
 
     def _revoked(self, batch_id: int) -> bool:
         """Whether a Revoke of this batch waits in the pipe (it was sent while this process
@@ -491,7 +485,7 @@ class Worker:
                 return msg
         self.outbox.send(NeedOutput(batch_id, nbytes))
         while True:
-            msg = decode(self.conn.recv())
+            msg = decode(self.reader.recv())
             if not isinstance(msg, OutputGrant):
                 self.pending.append(msg)
             elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
@@ -513,16 +507,6 @@ def _denied(grant: OutputGrant, total: int) -> RemoteError:
     if grant.error == SPLIT:
         return RemoteError("split", "", "outputs too large to share one region", "")
     return RemoteError("capacity", "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
-
-
-def remote_error(exc: BaseException, kind: Any) -> RemoteError:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
-
-
-def _seed(seed: int) -> None:
-    np.random.seed(seed & 0xFFFFFFFF)
-    random.seed(seed)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

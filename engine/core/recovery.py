@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.states import KillReason, TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.workers.errors import Crash
-
-IDLE, STACKED = -1, -2  # values of a slot's status word besides a task id
+from slabpool.workers.pipeline import STACKED  # a slot's status word besides a task id
 
 
 @dataclass
@@ -28,14 +27,16 @@ class Settlement:
     poisoned: list[Task] = field(default_factory=list)
 
 
-def settle(held: list[Batch], expected: str | None, crash: Crash, running_id: int, max_attempts: int) -> Settlement:
+def settle(
+    held: list[Batch], expected: KillReason | None, crash: Crash, running_id: int, max_attempts: int,
+) -> Settlement:
     """`expected` is why we killed it (None: it died on its own). Records crashes on the
     charged tasks and batches; returns what to replay, time out and quarantine."""
     out = Settlement()
     for i, batch in enumerate(held):
         live = [t for t in batch.tasks if t.state is TaskState.RUNNING]
         culprits = _running(batch, live, running_id) if i == 0 and batch.started_at is not None else []
-        if culprits and expected == "timeout":
+        if culprits and expected is KillReason.TIMEOUT:
             out.timed_out += culprits
             live = [t for t in live if t not in culprits]
         elif culprits and expected is None:

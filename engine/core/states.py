@@ -49,21 +49,37 @@ class TaskState(_Lifecycle):
         return self in (TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED)
 
 
-E, S, T = EngineState, SlotState, TaskState
 _ALLOWED: dict[_Lifecycle, set[_Lifecycle]] = {
-    E.ACCEPTING: {E.DRAINING},
-    E.DRAINING: {E.CLOSED},
-    E.CLOSED: set(),
-    S.NEW: {S.STARTING, S.STOPPED},
-    S.STARTING: {S.READY, S.DEAD, S.STOPPED},
-    S.READY: {S.BUSY, S.RETIRING, S.DEAD, S.STOPPED},
-    S.BUSY: {S.READY, S.RETIRING, S.DEAD, S.STOPPED},
-    S.RETIRING: {S.DEAD, S.STOPPED},
-    S.DEAD: {S.STARTING, S.STOPPED},
-    S.STOPPED: set(),
-    T.QUEUED: {T.RUNNING, T.CANCELLED, T.FAILED},
-    T.RUNNING: {T.DONE, T.FAILED, T.CANCELLED, T.QUEUED},
-    T.DONE: set(),
-    T.FAILED: set(),
-    T.CANCELLED: set(),
+    EngineState.ACCEPTING: {EngineState.DRAINING},
+    EngineState.DRAINING: {EngineState.CLOSED},
+    EngineState.CLOSED: set(),
+    SlotState.NEW: {SlotState.STARTING, SlotState.STOPPED},
+    SlotState.STARTING: {SlotState.READY, SlotState.DEAD, SlotState.STOPPED},
+    SlotState.READY: {SlotState.BUSY, SlotState.RETIRING, SlotState.DEAD, SlotState.STOPPED},
+    SlotState.BUSY: {SlotState.READY, SlotState.RETIRING, SlotState.DEAD, SlotState.STOPPED},
+    SlotState.RETIRING: {SlotState.DEAD, SlotState.STOPPED},
+    SlotState.DEAD: {SlotState.STARTING, SlotState.STOPPED},
+    SlotState.STOPPED: set(),
+    TaskState.QUEUED: {TaskState.RUNNING, TaskState.CANCELLED, TaskState.FAILED},
+    TaskState.RUNNING: {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.QUEUED},
+    TaskState.DONE: set(),
+    TaskState.FAILED: set(),
+    TaskState.CANCELLED: set(),
 }
+
+
+class KillReason(enum.Enum):
+    """Why the engine itself stopped a worker: a death with a reason charges no task, except
+    TIMEOUT (the task in hand ran past task_timeout). A death without one is a crash."""
+
+    TIMEOUT = "timeout"
+    CANCEL = "cancel"  # cancel(kill=True)
+    RETIRE = "retire"  # max_tasks_per_worker, worker_memory_limit
+    RELOAD = "reload"  # a hot model swap
+    SHUTDOWN = "shutdown"
+    STARTUP_FAILED = "startup failed"
+
+    @property
+    def planned(self) -> bool:
+        """A replacement, not a failure: nothing to count as a restart."""
+        return self in (KillReason.RETIRE, KillReason.RELOAD, KillReason.SHUTDOWN)

@@ -200,13 +200,13 @@ class Engine(BaseEngine):
         """Stop accepting; drain (or cancel what is queued); stop every worker; free shared memory.
         Idempotent, callable from any thread and from a Future's done-callback."""
         self._stop_accepting()
-        if self._sup.on_thread:  # from a done-callback: the loop finishes the job
-            self._sup.command("close", cancel_pending, wait_reply=False)
+        sup = self._sup
+        sup.call(sup.close, cancel_pending)
+        if sup.on_thread:  # from a done-callback: the loop finishes the job
             return
-        self._sup.command("close", cancel_pending)
-        if not self._sup.join(timeout):
-            self._sup.command("abort", f"close(timeout={timeout}) expired before the task ended", wait_reply=False)
-            self._sup.join(None)
+        if not sup.join(timeout):
+            sup.call(sup.abort, f"close(timeout={timeout}) expired before the task ended")
+            sup.join(None)
 
     def reload(
         self,
@@ -228,7 +228,7 @@ class Engine(BaseEngine):
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
         backend = self.config.backend or detect_backend(path)
         plan = Reload(dataclasses.replace(old, path=path, backend=backend), old, drain_slot, allow_signature_change)
-        self._sup.command("reload", plan)
+        self._sup.call(self._sup.start_reload, plan)
         if not plan.done.wait(timeout):
             raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
         if plan.error is not None:
@@ -260,7 +260,10 @@ class Engine(BaseEngine):
         return self._sup.info
 
     def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
-        return bool(self._sup.command("cancel", (task, kill)))
+        try:
+            return bool(self._sup.call(self._sup.cancel, task, kill).result())
+        except E.EngineClosed:
+            return False  # the engine has stopped: every task has already ended
 
     def __repr__(self) -> str:
         slots = self._sup.slots
@@ -355,6 +358,6 @@ def _emergency_stop(sup: Supervisor) -> None:
     warnings.warn(
         "an Engine was garbage-collected without close(): its workers were stopped and what it "
         "still held was cancelled; use `with Engine(...)` or call close()", ResourceWarning, stacklevel=2)
-    sup.command("abort", "the engine was garbage-collected without close()", wait_reply=False)
+    sup.call(sup.abort, "the engine was garbage-collected without close()")
     sup.join(10)
 

@@ -49,7 +49,7 @@ class Reload:
         self._swap(sup, sup.slots[self.order[0]])
 
     def _swap(self, sup: Supervisor, slot: Slot) -> None:
-        sup.specs[slot.index] = self.spec
+        sup.set_spec(slot, self.spec)
         sup.replace_slot(slot, drain=self.drain)
 
     def _current(self, sup: Supervisor, slot: Slot) -> bool:
@@ -70,8 +70,7 @@ class Reload:
         self.info = slot.info
         self._at += 1
         if self._at == len(self.order):
-            sup.info = slot.info
-            self._finish(sup)
+            self._finish(sup, slot.info)
         else:
             self._swap(sup, sup.slots[self.order[self._at]])
 
@@ -85,18 +84,15 @@ class Reload:
         return True
 
     def _fail(self, sup: Supervisor, slot: Slot, error: BaseException) -> None:
-        sup.specs[slot.index] = self.old
+        sup.set_spec(slot, self.old)
         self.error = error
         swapped = self.order[: self._at]
         self._finish(sup)
         if swapped:  # later slot: swap the ones already done back, so one version serves
-            back = Reload(self.old, self.spec, drain=True, allow_change=True, order=swapped)
-            sup.reload = back
-            back.start(sup)
+            sup.start_reload(Reload(self.old, self.spec, drain=True, allow_change=True, order=swapped))
 
-    def _finish(self, sup: Supervisor) -> None:
-        if sup.reload is self:
-            sup.reload = None
+    def _finish(self, sup: Supervisor, info: SessionInfo | None = None) -> None:
+        sup.end_reload(self, info)
         self.done.set()
 
     def abort(self, error: BaseException) -> None:

@@ -15,7 +15,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from slabpool.engine.core.states import SlotState
+from slabpool.engine.core.states import KillReason, SlotState
 from slabpool.engine.core.task import Batch
 from slabpool.shm.mapping import PassFd
 from slabpool.workers.main import WorkerBoot, main
@@ -40,7 +40,7 @@ class Slot:
         self.startup_failures = 0
         self.init_error: Any = None  # the InitFailed error of the current incarnation
         self.respawn_at: float | None = None
-        self.kill_reason: str | None = None  # why we are killing it: "timeout", "cancel", ...
+        self.kill_reason: KillReason | None = None  # why we are killing it (None: we are not)
         self.kill_escalate_at: float | None = None
         self.retiring = False
         self.stalled_since: float | None = None  # its running batch made no progress for stall_after
@@ -88,7 +88,7 @@ class Slot:
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             return False
 
-    def kill(self, reason: str, grace: float = 0.5) -> None:
+    def kill(self, reason: KillReason, grace: float = 0.5) -> None:
         """SIGTERM now, SIGKILL after `grace`: the only way to stop code that will not return."""
         if self.process is None or self.kill_reason is not None:
             return

@@ -1,0 +1,104 @@
+"""Output regions: where in the output arena each batch's worker writes its outputs.
+
+A batch is sent with a region sized like the outputs of the last batch of the same shapes
+(`lease_predicted`), so the worker rarely has to ask. When it does ask (NeedOutput, step 7),
+`on_need` decides: a region of that size, a wait for space, a split (a batch of several tasks
+needing more than half the arena goes back to the queue in halves, uncharged), or a refusal
+(one task's outputs larger than the whole arena: ShmCapacityError). Sizes seen per task and
+per item are learnt, so later groups and stacked batches are sized to fit from the start
+(engine.core.dispatch.take_limits).
+
+Only the owner thread uses this; it owns the leases it hands out until `release`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from slabpool.engine.core.task import Batch
+from slabpool.shm import Arena, Lease
+from slabpool.shm.alloc import align_up
+from slabpool.workers.main import SPLIT
+from slabpool.workers.protocol import OutputGrant
+
+T = TypeVar("T")
+
+
+class OutputRegions:
+    def __init__(self, outputs: Arena, reserved: int) -> None:
+        self.arena = outputs
+        self.max_region = outputs.capacity - align_up(reserved)  # the most one task can have
+        self.per_task = 0  # the most output bytes per task seen (a group's average)
+        self.per_item = 0  # ... and per item of a stacked batch
+        self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
+
+    def learn(self, batch: Batch, nbytes: int) -> None:
+        """Output bytes per task and per item, as seen: later groups and batches fit them."""
+        self.per_task = max(self.per_task, nbytes // len(batch.tasks))
+        if batch.stack:
+            self.per_item = max(self.per_item, nbytes // max(sum(t.items for t in batch.tasks), 1))
+
+    def observed(self, batch: Batch, used: int) -> None:
+        """A batch finished with `used` bytes of outputs: the next of its shapes gets as much."""
+        self._predicted[batch_key(batch)] = used
+        if used > self.per_task * len(batch.tasks):
+            self.learn(batch, used)
+
+    def lease_predicted(self, batch: Batch, *, ahead: bool = False) -> Lease | None:
+        """A region sized like the last outputs of a batch of the same shapes. Batches sent
+        ahead of the running one may hold at most half the arena: the other half is always
+        there for a running batch's NeedOutput."""
+        want = self._predicted.get(batch_key(batch))
+        if not want:
+            return None
+        if ahead and self.arena.used + want > self.arena.capacity // 2:
+            return None
+        lease = self.arena.try_lease(want)
+        batch.out_lease = lease
+        return lease
+
+    def on_need(self, batch: Batch, nbytes: int) -> OutputGrant | None:
+        """The answer to a worker's NeedOutput; None: no room now (batch.out_wanted is set,
+        and `grant_waiting` answers once a region is released)."""
+        if batch.out_lease is not None and batch.out_lease.nbytes >= nbytes:
+            return OutputGrant(batch.id, batch.out_lease.offset, batch.out_lease.nbytes)
+        self.release(batch)
+        self.learn(batch, nbytes)
+        if len(batch.tasks) > 1 and nbytes > self.arena.capacity // 2:
+            return OutputGrant(batch.id, -1, 0, SPLIT)  # its tasks come back, to go apart
+        if nbytes > self.max_region:  # one task's outputs, larger than the whole arena
+            return OutputGrant(batch.id, -1, self.max_region, (
+                f"its outputs take {nbytes} bytes, more than the output arena can ever hold "
+                f"({self.max_region} bytes; shm_capacity={self.arena.capacity}); raise shm_capacity"))
+        lease = self.arena.try_lease(nbytes)
+        if lease is None:  # full: the grant waits for the next release (no lease is held here)
+            batch.out_wanted = nbytes
+            return None
+        batch.out_lease = lease
+        return OutputGrant(batch.id, lease.offset, lease.nbytes)
+
+    def grant_waiting(self, held: list[tuple[T, Batch]]) -> list[tuple[T, OutputGrant]]:
+        """Regions for the batches (each with its slot) that asked while the arena was full,
+        in order, while room lasts."""
+        grants = []
+        for slot, b in held:
+            if b.out_wanted and b.out_lease is None:
+                lease = self.arena.try_lease(b.out_wanted)
+                if lease is None:
+                    break
+                b.out_lease, b.out_wanted = lease, 0
+                grants.append((slot, OutputGrant(b.id, lease.offset, lease.nbytes)))
+        return grants
+
+    def release(self, batch: Batch) -> bool:
+        """Give back the batch's region (once its run has really ended); True if it had one."""
+        if batch.out_lease is None:
+            return False
+        self.arena.release(batch.out_lease)
+        batch.out_lease = None
+        return True
+
+
+def batch_key(batch: Batch) -> tuple[Any, ...]:
+    """Batches with equal keys had outputs of equal size so far (sizes predicted from it)."""
+    return tuple((t.shape_key, t.items) for t in batch.tasks)

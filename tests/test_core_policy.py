@@ -1,0 +1,147 @@
+"""The owner core on its own, without processes: dispatch limits (engine.core.dispatch), the
+owner thread's call bus (engine.core.owner) and the task ledger (engine.core.ledger)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from slabpool.engine.core import dispatch
+from slabpool.engine.core.admission import MAX_GROUP, MIN_GROUP, TaskQueue
+from slabpool.engine.core.config import resolve
+from slabpool.engine.core.ledger import Closing, TaskLedger
+from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.owner import OwnerThread
+from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.task import Task
+from slabpool.workers.errors import EngineClosed, EngineInternalError, TaskCancelled, TaskTimeout
+from slabpool.workers.protocol import Packed
+
+
+def cfg(models, **kw):  # type: ignore[no-untyped-def]
+    return resolve(models.mlp, workers=2, **kw)
+
+
+# -- dispatch --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task_s,want", [(None, 1), (1.0, 1), (0.001, 2), (0.0001, 20), (1e-7, MAX_GROUP)])
+def test_groups_run_about_the_target_time(task_s, want) -> None:  # type: ignore[no-untyped-def]
+    assert dispatch.group_limit(task_s) == want
+
+
+def test_task_budget_follows_recycling_settings(models) -> None:  # type: ignore[no-untyped-def]
+    assert dispatch.task_budget(cfg(models), 1000, 5, False) == MAX_GROUP
+    assert dispatch.task_budget(cfg(models, max_tasks_per_worker=10), 6, 3, False) == 1
+    assert dispatch.task_budget(cfg(models, max_tasks_per_worker=10), 8, 3, False) == 0
+    assert dispatch.task_budget(cfg(models, worker_memory_limit=1 << 30), 0, 0, False) == 1
+    assert dispatch.task_budget(cfg(models, worker_memory_limit=1 << 30), 0, 0, True) == 0
+
+
+def test_groups_and_batches_fit_half_the_output_arena(models) -> None:  # type: ignore[no-untyped-def]
+    mib = 1 << 20
+    lim = dispatch.take_limits(cfg(models), budget=MAX_GROUP, task_s=1e-6, out_per_task=4 * mib,
+                               out_per_item=0, capacity=16 * mib, busy=False, live_slots=2)
+    assert lim.max_tasks == 2  # 8 MiB of a 16 MiB arena holds two tasks of 4 MiB
+    stacked = dispatch.take_limits(cfg(models, max_batch_size=8), budget=MAX_GROUP, task_s=1e-6,
+                                   out_per_task=0, out_per_item=3 * mib, capacity=16 * mib, busy=False,
+                                   live_slots=2)
+    assert stacked.max_items == 2  # 8 MiB holds two items of 3 MiB
+    assert dispatch.fit_tasks(16 * mib, 0) == MAX_GROUP  # nothing seen yet
+
+
+def test_a_busy_slot_is_sent_only_a_group_worth_its_message(models) -> None:  # type: ignore[no-untyped-def]
+    kw = dict(budget=MAX_GROUP, out_per_task=0, out_per_item=0, capacity=1 << 28, live_slots=2)
+    assert dispatch.take_limits(cfg(models), task_s=1e-5, busy=True, **kw).min_tasks == MIN_GROUP * 2
+    assert dispatch.take_limits(cfg(models), task_s=1e-5, busy=False, **kw).min_tasks == 1
+    assert dispatch.take_limits(cfg(models), task_s=0.01, busy=True, **kw).min_tasks == 1  # slow tasks
+
+
+# -- the owner thread ------------------------------------------------------------------------------
+
+
+class Loop(OwnerThread):
+    def __init__(self) -> None:
+        super().__init__("test-owner")
+        self.go = threading.Event()
+        self.stop = False
+        self.failed: BaseException | None = None
+
+    def wake(self) -> None:
+        self.go.set()
+
+    def _step(self) -> None:
+        self.go.wait(5)
+        self.go.clear()
+        self.run_calls()
+
+    def _finished(self) -> bool:
+        return self.stop or self.failed is not None
+
+    def _fail(self, error: BaseException) -> None:
+        self.failed = error
+
+
+def test_calls_run_on_the_owner_thread_and_late_calls_fail() -> None:
+    loop = Loop()
+    loop.start_loop()
+    assert loop.call(lambda: threading.current_thread().name).result(5) == "test-owner"
+    loop.call(setattr, loop, "stop", True).result(5)
+    assert loop.join(5)
+    with pytest.raises(EngineClosed):
+        loop.call(lambda: 1).result(5)
+
+
+def test_a_call_that_raises_fails_the_loop_loudly() -> None:
+    loop = Loop()
+    loop.start_loop()
+    fut = loop.call(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        fut.result(5)
+    assert loop.join(5)
+    assert isinstance(loop.failed, EngineInternalError) and "ZeroDivisionError" in str(loop.failed)
+
+
+# -- the ledger ------------------------------------------------------------------------------------
+
+
+class Ledger(TaskLedger):
+    def __init__(self) -> None:
+        super().__init__(TaskQueue(capacity=100, policy="block", wake=lambda: None), Metrics())
+        self.held: list[Task] = []
+
+    def _in_hand(self):  # type: ignore[no-untyped-def]
+        return self.held
+
+
+def _task(q: TaskQueue, deadline: float | None = None) -> Task:
+    q.reserve(None)
+    return q.accept(lambda i: Task(i, Future(), Packed({}, ()), None, ("k",), 1, None, 0, deadline, None))
+
+
+def test_a_task_ends_once_and_its_future_completes_at_the_flush() -> None:
+    led = Ledger()
+    t = _task(led.queue)
+    led.queue.discard(t)
+    led.finish(t, error=TaskTimeout("late", task_id=t.id))
+    led.finish(t, error=RuntimeError("twice"))  # ignored: it has ended
+    assert t.state is TaskState.FAILED and not t.future.done()
+    led.flush()
+    assert isinstance(t.future.exception(), TaskTimeout)
+    assert (led.queue.counters.failed, led.queue.counters.timeouts) == (1, 1)
+
+
+def test_close_cancel_and_fail_all() -> None:
+    led = Ledger()
+    queued, held = _task(led.queue), _task(led.queue)
+    led.queue.discard(held)
+    held.move(TaskState.RUNNING)
+    led.held.append(held)
+    led.close(cancel_pending=True)
+    assert led.closing is Closing.CANCEL and queued.state is TaskState.CANCELLED
+    led.fail_all(EngineInternalError("boom"))
+    led.flush()
+    assert isinstance(queued.future.exception(), TaskCancelled)
+    assert isinstance(held.future.exception(), EngineInternalError)
