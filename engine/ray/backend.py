@@ -44,7 +44,7 @@ from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.metrics import Metrics
-from slabpool.engine.core.states import EngineState, SlotState, TaskState
+from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Result, Task
 from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
@@ -101,7 +101,7 @@ class RayEngine(BaseEngine):
         self._metrics = Metrics()
         try:
             self._ledger = _Ledger(self.config, self._queue, self._metrics, cpus_per_slot, actor_options)
-            self._ledger.on_stopped = self._on_stopped
+            self._ledger.on_stopped = self._mark_closed  # once every actor is killed
             self._ledger.start()
         except BaseException:
             self._shutdown_ray()
@@ -149,10 +149,7 @@ class RayEngine(BaseEngine):
         return fut
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
-        task.move(TaskState.CANCELLED)
-        with self._queue.lock:
-            self._queue.counters.cancelled += 1
-            self._queue.counters.items_cancelled += task.units
+        self._cancel_queued(task)
         if isinstance(task, RayTask):
             task.ref = None
         if error is not None:
@@ -170,13 +167,6 @@ class RayEngine(BaseEngine):
             ledger.call(ledger.abort, f"close(timeout={timeout}) expired before the task ended")
             ledger.join(None)
         self._shutdown_ray()
-
-    def _on_stopped(self) -> None:
-        """Called by the ledger thread once every actor is killed."""
-        with self._close_lock:
-            if self._state is EngineState.ACCEPTING:
-                self._state = EngineState.DRAINING
-            self._state = EngineState.CLOSED
 
     def _shutdown_ray(self) -> None:
         if self._owns_ray and ray.is_initialized():
