@@ -1,6 +1,6 @@
 """One item's way through a worker, the same in every kind of worker: the process worker
-(workers.main), the Ray actor (engine.ray_backend.SlotActor) and Ray Data's predictor
-(engine.ray_data.SlabpoolPredictor).
+(workers.main), the Ray actor (engine.ray.actor.SlotActor) and Ray Data's predictor
+(engine.ray.data.SlabpoolPredictor).
 
     seed -> preprocess -> input contract -> session.run -> postprocess
       |                        |                 |

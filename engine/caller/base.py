@@ -24,7 +24,7 @@ from slabpool.engine.caller.aio import AsyncEngineMixin
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
 from slabpool.engine.core.metrics import Histogram, Metrics, render
-from slabpool.engine.core.states import EngineState
+from slabpool.engine.core.states import EngineState, TaskState
 from slabpool.engine.core.stats import EngineStats, ModelDescription
 from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
@@ -470,6 +470,21 @@ class BaseEngine(AsyncEngineMixin):
             c.items_completed += completed
             c.items_failed += failed
             c.items_cancelled += cancelled
+
+    def _cancel_queued(self, task: Task) -> None:
+        """A task a caller thread took out of the queue (it never reached a slot) ends
+        CANCELLED, counted with its items; the backend's `_end_queued` frees its inputs."""
+        task.move(TaskState.CANCELLED)
+        with self._queue.lock:
+            self._queue.counters.cancelled += 1
+            self._queue.counters.items_cancelled += task.units
+
+    def _mark_closed(self) -> None:
+        """The owner thread has stopped every slot: the engine is CLOSED."""
+        with self._close_lock:
+            if self._state is EngineState.ACCEPTING:
+                self._state = EngineState.DRAINING
+            self._state = EngineState.CLOSED
 
 
 CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%

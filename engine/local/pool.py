@@ -20,7 +20,7 @@ from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.metrics import Metrics
-from slabpool.engine.core.states import EngineState, TaskState
+from slabpool.engine.core.states import EngineState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Result, Task
 from slabpool.engine.local.mainguard import check_main_guard
@@ -186,10 +186,7 @@ class Engine(BaseEngine):
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         """End a task that a caller thread took out of the queue (it never reached a slot)."""
-        task.move(TaskState.CANCELLED)
-        with self._queue.lock:
-            self._queue.counters.cancelled += 1
-            self._queue.counters.items_cancelled += task.units
+        self._cancel_queued(task)
         if task.lease is not None:
             self._inputs.release(task.lease)
             task.lease = None
@@ -235,12 +232,6 @@ class Engine(BaseEngine):
             raise plan.error
         self._set_specs(plan.info)
         return self.model_version
-
-    def _mark_closed(self) -> None:
-        with self._close_lock:
-            if self._state is EngineState.ACCEPTING:
-                self._state = EngineState.DRAINING
-            self._state = EngineState.CLOSED
 
     def _release_shm(self) -> None:
         _release_shm(getattr(self, "_inputs", None), getattr(self, "_outputs", None), self._lock)

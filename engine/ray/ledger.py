@@ -1,0 +1,417 @@
+"""The owner thread of a RayEngine (steps 3-4, 8-9 and the crash path a-d of the diagram in
+`engine.ray.backend`): `_Ledger` runs on `engine.core.owner.OwnerThread` with the task ledger
+`engine.core.ledger.TaskLedger`; `_RaySlot` is one slot (an actor), `_Flight` one call in
+flight, `RayTask` a task whose inputs are in Ray's object store."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError
+
+from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.ledger import TaskLedger
+from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.owner import OwnerThread
+from slabpool.engine.core.states import SlotState, TaskState
+from slabpool.engine.core.task import Batch, Result, Task, Timings
+from slabpool.engine.ray.actor import ActorDone, ActorReady, SlotActor
+from slabpool.workers import errors as E
+from slabpool.workers.errors import Crash
+from slabpool.workers.protocol import SessionInfo
+
+log = logging.getLogger("slabpool.engine.ray")
+
+MAX_PING_BACKOFF_S = 2.0
+
+
+@dataclass(eq=False)
+class RayTask(Task):
+    """A `Task` whose inputs live in Ray's object store: replays reuse the same ObjectRef."""
+
+    ref: Any = None
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One call in flight: the (task id, attempt) whose completion is the only one accepted."""
+
+    task: RayTask
+    attempt: int
+    slot: int
+    seq: int  # dispatch order on its slot: the lowest failed one was running when it died
+    call: Any  # the ObjectRef of the call
+    resolved: bool = False
+    died: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _RaySlot:
+    index: int
+    actor: Any
+    state: SlotState = SlotState.NEW
+    pid: int = 0
+    node_id: str = ""
+    info: SessionInfo | None = None
+    flights: list[_Flight] = field(default_factory=list)  # in dispatch order
+    seq: int = 0
+    incarnation: int = 0  # +1 each time a ready() ping succeeds
+    restarts: int = 0
+    tasks_done: int = 0
+    ping_at: float | None = None  # next ready() ping while Ray restarts it
+    ping_backoff: float = 0.05
+    pinging: bool = False
+    kill_reason: str | None = None  # "cancel", "shutdown": a death we caused blames no task
+
+    def move(self, new: SlotState) -> None:
+        self.state.check(new)
+        self.state = new
+
+    @property
+    def healthy(self) -> bool:
+        return self.state in (SlotState.READY, SlotState.BUSY)
+
+
+
+def _owned(obj: Any) -> Any:
+    """Outputs read from the object store are read-only views: give the caller its own copies."""
+    if isinstance(obj, np.ndarray):
+        return obj if obj.flags.writeable and obj.flags.owndata else obj.copy()
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_owned(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_owned(v) for v in obj)
+    return obj
+
+
+class _Ledger(OwnerThread, TaskLedger):
+    """The owner thread of a RayEngine (engine.owner) with its task ledger (engine.ledger):
+    the only thread that changes slots and running tasks. It sleeps on one inbox that Ray's
+    completion callbacks and callers' calls feed."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        q: TaskQueue,
+        metrics: Metrics,
+        cpus_per_slot: float,
+        actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None,
+    ) -> None:
+        OwnerThread.__init__(self, "slabpool-ray-ledger")
+        TaskLedger.__init__(self, q, metrics)
+        self.cfg = cfg
+        self.info: SessionInfo | None = None
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._flights: dict[int, _Flight] = {}  # task id -> its one call in flight
+        self._stopping = False  # the actors are being killed: a late ping changes nothing
+        remote = ray.remote(SlotActor)
+        self.slots: list[_RaySlot] = []
+        for i in range(cfg.workers):
+            opts: dict[str, Any] = {"num_cpus": cpus_per_slot, "max_restarts": -1, "max_task_retries": 0,
+                                    "max_concurrency": 1}
+            extra = actor_options(i) if callable(actor_options) else actor_options
+            opts.update(extra or {})
+            actor = remote.options(**opts).remote(
+                i, cfg.session_spec(), cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs)
+            self.slots.append(_RaySlot(i, actor))
+        self.on_stopped: Callable[[], None] = lambda: None
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Wait until every actor has built its session; SessionInitError if one cannot."""
+        for s in self.slots:
+            s.move(SlotState.STARTING)
+        refs = [s.actor.ready.remote() for s in self.slots]
+        try:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.startup_timeout)
+            if len(ready) < len(refs):
+                raise E.SessionInitError(
+                    f"Ray actors not ready after {self.cfg.startup_timeout} s: the cluster lacks "
+                    "the resources (cpus_per_slot, actor_options) or cannot import the model's code")
+            for s, ref in zip(self.slots, refs, strict=True):
+                self._on_ready(s, ray.get(ref))
+                if self.failure is not None:
+                    raise self.failure
+        except RayActorError as exc:
+            self._kill_all()
+            raise E.SessionInitError(f"a Ray actor died during start-up: {exc}") from None
+        except BaseException:
+            self._kill_all()
+            raise
+        self.start_loop()
+
+    def _on_ready(self, s: _RaySlot, msg: ActorReady) -> None:
+        if msg.error is not None:
+            exc = E.SessionInitError(
+                f"slot {s.index} could not build its session: {msg.error.type_name}: {msg.error.message}")
+            exc.__cause__ = E.RemoteTraceback(msg.error.traceback)
+            self._fail(exc)
+            return
+        s.move(SlotState.READY)
+        s.pid, s.node_id, s.incarnation = msg.pid, msg.node_id, s.incarnation + 1
+        s.ping_backoff, s.pinging, s.ping_at, s.kill_reason = 0.05, False, None, None
+        if msg.info is not None:
+            self.info = self.info or msg.info
+            s.info = msg.info
+
+    # -- the loop (engine.owner) ---------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._inbox.put(("wake",))
+
+    def post(self, event: tuple[Any, ...]) -> None:
+        self._inbox.put(event)
+
+    def _step(self) -> None:
+        timer = self._next_timer(time.monotonic())
+        try:
+            event = self._inbox.get(timeout=timer)
+        except queue.Empty:
+            event = ("wake",)
+        while True:
+            self._handle(event)
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self.run_calls()
+        now = time.monotonic()
+        self._timers(now)
+        self._dispatch(now)
+        self.flush()
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "done":
+            self._on_done(event[1], event[2])
+        elif kind == "ready":
+            self._on_ping(event[1], event[2])
+
+    def _finished(self) -> bool:
+        if self.failure is not None:
+            return True
+        return self.closing is not None and len(self.queue) == 0 and not self._flights
+
+    def _fail(self, error: BaseException) -> None:
+        self.fail_all(error)
+
+    def _stopped(self) -> None:
+        self.abort("the engine closed while it ran")
+        self._kill_all()
+        self.flush()
+        self.on_stopped()
+
+    # -- the ledger's hooks (engine.ledger) ----------------------------------------------------
+
+    def _in_hand(self) -> Iterable[Task]:
+        return [f.task for f in self._flights.values()]
+
+    def _kill_running(self, task: Task) -> None:
+        flight = self._flights.get(task.id)
+        if flight is None:
+            return
+        slot = self.slots[flight.slot]
+        if slot.healthy and slot.flights and slot.flights[0] is flight:
+            slot.kill_reason = "cancel"
+            ray.kill(slot.actor, no_restart=False)  # Ray restarts it; its other tasks replay
+
+    def _release(self, task: Task) -> None:
+        if isinstance(task, RayTask):
+            task.ref = None  # the object store may free the inputs now
+
+    def abort(self, reason: str) -> None:
+        """close() ran out of time (or the loop ends): every task ends now, cancelled."""
+        self.abort_in_hand(reason)
+        self._flights.clear()
+        for s in self.slots:
+            s.flights.clear()
+        self.failure = self.failure or E.EngineClosed(reason)
+
+    # -- dispatch (steps 3-4) ------------------------------------------------------------------
+
+    def _dispatch(self, now: float) -> None:
+        depth = self.cfg.inflight_per_slot
+        while True:
+            open_slots = [s for s in self.slots if s.healthy and len(s.flights) < depth]
+            if not open_slots:
+                return
+            slot = min(open_slots, key=lambda s: len(s.flights))  # idle slots first
+            got = self.queue.take(1, 0.0, now, max_tasks=1)  # one task per actor call
+            if not isinstance(got, Batch):
+                return
+            for task in got.tasks:
+                assert isinstance(task, RayTask)
+                self._send(slot, task, now)
+
+    def _send(self, slot: _RaySlot, task: RayTask, now: float) -> None:
+        if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
+            task.state = TaskState.CANCELLED  # cancelled between the queue and here
+            self.count("cancelled")
+            self.count("items_cancelled", task.units)
+            task.ref = None
+            return
+        task.move(TaskState.RUNNING)
+        task.attempts += 1
+        task.dispatched_at = task.dispatched_at or now
+        fault = task.fault if self.cfg.fault_injection else None
+        call = slot.actor.run.remote(task.ref, task.id, task.attempts, task.seed, task.context, fault)
+        slot.seq += 1
+        flight = _Flight(task, task.attempts, slot.index, slot.seq, call)
+        slot.flights.append(flight)
+        self._flights[task.id] = flight
+        if slot.state is SlotState.READY:
+            slot.move(SlotState.BUSY)
+        call.future().add_done_callback(lambda f, fl=flight: self.post(("done", fl, f)))
+
+    # -- completions (steps 8-9) ---------------------------------------------------------------
+
+    def _on_done(self, flight: _Flight, fut: Future[Any]) -> None:
+        flight.resolved = True
+        slot = self.slots[flight.slot]
+        exc = fut.exception()
+        if isinstance(exc, RayActorError):
+            flight.died = exc
+            if slot.healthy:
+                slot.move(SlotState.DEAD)  # a: its other calls are failing too
+            self._maybe_settle(slot)
+            return
+        current = self._current(flight)
+        self._unlink(slot, flight)
+        if not current:
+            log.warning("dropped a stale completion of task %d attempt %d", flight.task.id, flight.attempt)
+            return
+        task = flight.task
+        if isinstance(exc, ObjectLostError):  # the output was lost with its node: run it again
+            self._requeue([task])
+        elif exc is not None:
+            err = E.SessionRunError(f"task {task.id} failed in Ray: {type(exc).__name__}", task_id=task.id)
+            err.__cause__ = exc
+            self.finish(task, error=err)
+        else:
+            self._on_result(slot, task, fut.result())
+        self._maybe_settle(slot)
+
+    def _on_result(self, slot: _RaySlot, task: RayTask, done: ActorDone) -> None:
+        slot.tasks_done += 1
+        if done.error is not None:
+            self.finish(task, error=E.from_remote(done.error, task.id))
+            return
+        t0 = time.perf_counter()
+        outputs = _owned(done.outputs)  # step 8
+        copy_s = time.perf_counter() - t0
+        now = time.monotonic()
+        timings = Timings(queued=max(task.dispatched_at - task.accepted_at, 0.0),
+                          transfer=task.copy_in_s + copy_s, run=done.run_s, total=now - task.accepted_at)
+        version = slot.info.model_digest if slot.info else ""
+        self.finish(task, result=Result(task.id, outputs, version, slot.index, done.pid, task.attempts,
+                                        timings, task.context))
+
+    def _current(self, flight: _Flight) -> bool:
+        """Exactly-once: only the (task id, attempt) in flight may complete its task."""
+        return self._flights.get(flight.task.id) is flight and flight.task.attempts == flight.attempt
+
+    def _unlink(self, slot: _RaySlot, flight: _Flight) -> None:
+        if flight in slot.flights:
+            slot.flights.remove(flight)
+        if self._flights.get(flight.task.id) is flight:
+            del self._flights[flight.task.id]
+        if slot.state is SlotState.BUSY and not slot.flights:
+            slot.move(SlotState.READY)
+
+    # -- deaths (the crash path: a-d) ----------------------------------------------------------
+
+    def _maybe_settle(self, slot: _RaySlot) -> None:
+        """Once every call a dead slot held has resolved: decide each task's fate, then ping."""
+        if slot.state is not SlotState.DEAD or slot.pinging or slot.ping_at is not None:
+            return
+        if any(not f.resolved for f in slot.flights):
+            return
+        died = [f for f in slot.flights if f.died is not None]
+        for f in list(slot.flights):
+            self._unlink(slot, f)
+        reason = slot.kill_reason
+        slot.restarts += 1
+        if reason is None:
+            log.warning("actor of slot %d (pid %d) died holding %d task(s): %s", slot.index, slot.pid,
+                        len(died), died[0].died if died else "")
+        replays: list[RayTask] = []
+        for i, f in enumerate(sorted(died, key=lambda f: f.seq)):
+            task = f.task
+            if task.state.is_terminal:  # cancelled while it ran
+                continue
+            if i == 0 and reason is None:  # d: the one running when the actor died
+                task.crashes.append(Crash(slot.index, slot.pid, None))
+                if len(task.crashes) >= self.cfg.max_attempts:
+                    self.quarantine(task, f.died)
+                    continue
+            replays.append(task)
+        self._requeue(replays)  # c
+        slot.move(SlotState.STARTING)  # b: Ray restarts the actor; ping until it answers
+        slot.ping_at = time.monotonic()
+
+    def _requeue(self, tasks: list[RayTask]) -> None:
+        for t in tasks:
+            t.move(TaskState.QUEUED)
+        if tasks:
+            self.queue.push_replays([Batch([t], stack=False) for t in sorted(tasks, key=lambda t: t.id)])
+
+    def _ping(self, slot: _RaySlot) -> None:
+        slot.ping_at, slot.pinging = None, True
+        ref = slot.actor.ready.remote()
+        ref.future().add_done_callback(lambda f, s=slot: self.post(("ready", s, f)))
+
+    def _on_ping(self, slot: _RaySlot, fut: Future[Any]) -> None:
+        slot.pinging = False
+        if self._stopping:
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._on_ready(slot, fut.result())
+            log.info("slot %d is back (pid %d, node %s)", slot.index, slot.pid, slot.node_id[:8])
+            return
+        if _permanently_dead(exc):
+            self._fail(E.WorkerError(f"the actor of slot {slot.index} is dead for good: {exc}"))
+            return
+        slot.ping_at = time.monotonic() + slot.ping_backoff  # Ray is still restarting it
+        slot.ping_backoff = min(slot.ping_backoff * 2, MAX_PING_BACKOFF_S)
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def _next_timer(self, now: float) -> float | None:
+        times = [self.queue.next_deadline()] + [s.ping_at for s in self.slots]
+        due = [t for t in times if t is not None]
+        return max(min(due) - now, 0.0) if due else None
+
+    def _timers(self, now: float) -> None:
+        self.expire(now)
+        for s in self.slots:
+            if s.ping_at is not None and now >= s.ping_at:
+                self._ping(s)
+
+    def _kill_all(self) -> None:
+        self._stopping = True
+        for s in self.slots:
+            try:
+                ray.kill(s.actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - Ray already gone: nothing left to kill
+                log.debug("could not kill the actor of slot %d: %s", s.index, exc)
+            if s.state is not SlotState.STOPPED:
+                s.state = SlotState.STOPPED
+
+
+def _permanently_dead(exc: BaseException) -> bool:
+    """ActorDiedError after Ray gave up restarting it (it never does with max_restarts=-1 unless
+    the actor's owner died): anything else is Ray still restarting it, so the ping retries."""
+    return isinstance(exc, ActorDiedError) and "max_restarts" in str(exc)
