@@ -54,18 +54,17 @@ from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.sources import RowReader, Source, open_source
 from slabpool.engine.job.store import (
-    Array,
     Failure,
     JobError,
     RowError,
     Schema,
     Store,
-    check_rows,
-    schema_of,
-    to_rows,
+    publish,
     write_atomic,
     write_json,
 )
+from slabpool.engine.job.store.files import Array
+from slabpool.engine.job.store.rows import check_rows, schema_of, to_rows
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 
@@ -812,7 +811,7 @@ class _Run:
             else:
                 notes.append(f"the input holds no items: {spec.output} was not written")
         elif complete and spec.single_file:
-            written, note = store.publish(spec.output)
+            written, note = publish(store, spec.output)
             if not written:
                 notes.append(f"no item succeeded: {spec.output} was not written")
             notes.extend([note] if note else [])
