@@ -23,7 +23,8 @@ import pytest
 from PIL import Image
 
 from slabpool.engine.job import parquet as job_parquet
-from slabpool.engine.job.sources import column_array, open_source
+from slabpool.engine.job.sources import open_source
+from slabpool.engine.job.sources.tables import column_array
 from slabpool.engine.job.store import Failure, Store
 from tests.models.onnx_models import mlp_reference
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, jsonl, rows, slabpool

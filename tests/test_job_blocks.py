@@ -206,8 +206,8 @@ def test_damaged_direct_rows_run_again(tmp_path: Path, models: SimpleNamespace) 
 def test_resume_over_shards_of_an_earlier_version(tmp_path: Path, models: SimpleNamespace) -> None:
     """A .npy job begun by a version that kept shards resumes: those rows are copied into the
     direct file once, the rest computed, the OUTPUT complete."""
-    from slabpool.engine.job.run import JobSpec, fingerprint
     from slabpool.engine.job.sources import open_source
+    from slabpool.engine.job.spec import JobSpec, fingerprint
     from slabpool.engine.job.store import Store
 
     x = RNG.standard_normal((1000, 16)).astype(np.float32)

@@ -5,7 +5,7 @@ blocks of the model's input columns (report.json says "blocks", one task per blo
 byte-identical to the same blocks run one after another in one session; --keep columns and
 Parquet output still work; a null or ragged cell, or a row the model fails on, fails alone
 with its own error; a job SIGKILLed mid-run resumes and ends byte-identical. The readers
-(engine.job_sources.SpanRows) are also checked directly on CSV and on nulls.
+(engine.job.sources.base.SpanRows) are also checked directly on CSV and on nulls.
 """
 
 from __future__ import annotations

@@ -30,8 +30,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from slabpool import __version__
-from slabpool.engine.job.run import JobSpec, run_job, summary
-from slabpool.engine.job.store import JobError, write_atomic
+from slabpool.engine.job.report import summary
+from slabpool.engine.job.run import run_job
+from slabpool.engine.job.sources import JobError
+from slabpool.engine.job.spec import JobSpec
+from slabpool.engine.job.store import write_atomic
 from slabpool.workers.errors import EngineError
 
 DEMO_ITEMS = 512

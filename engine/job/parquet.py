@@ -6,7 +6,7 @@
     OUT.parquet                                the shards' rows in input order, row groups of
                                                up to ROW_GROUP rows, written when all are settled
 
-Each shard is a complete Parquet file written atomically before its journal line (engine.job_io),
+Each shard is a complete Parquet file written atomically before its journal line (engine.job.store),
 so the job stays durable and resumable. A cell is stored as it came: a numeric array of the
 job's shape (`Schema`, set by the first done item) becomes a fixed-size list (nested for
 tensors), a 0-d one a number; Python values a postprocess returns (str, int, float, lists,

@@ -1,0 +1,192 @@
+"""Step 3-4 of the job: settled items (a block's rows, or one item at a time) buffered in any
+order, every row with its index, and committed to the Store as one shard (or into the direct/
+files) when due."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from slabpool.engine.caller.blocks import Piece
+from slabpool.engine.core.task import Result
+from slabpool.engine.job import parquet as job_parquet
+from slabpool.engine.job.parquet import Schema
+from slabpool.engine.job.store import Failure, Store
+from slabpool.engine.job.store.files import Array
+from slabpool.engine.job.store.rows import RowError, check_rows, schema_of, to_rows
+from slabpool.workers import errors as E
+
+MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
+
+ITEM_ERRORS = (E.InputContractError, E.SessionRunError, E.PoisonTask, E.TaskTimeout, E.ShmCapacityError,
+               RowError, OSError, ValueError)
+MAX_SHARD_BYTES = 64 * 1024 * 1024  # output bytes a shard holds at most (bounds memory)
+
+
+class Collector:
+    """Buffers settled items (in any order: every row keeps its index); commits them to the
+    Store as one shard. A block of rows is kept as the block's arrays, not row by row."""
+
+    def __init__(self, store: Store, strip_batch: bool, schema: Schema | None) -> None:
+        self.store, self.strip_batch, self.schema = store, strip_batch, schema
+        self.keep_names = tuple(store.keep_types)
+        # (item indices, outputs with rows on axis 0, --keep values of those items)
+        self.parts: list[tuple[Array, dict[str, Any], dict[str, list[Any]]]] = []
+        self.failures: list[Failure] = []
+        self.failed_kept: dict[str, list[Any]] = {k: [] for k in self.keep_names}  # --keep of the failures
+        self.first_failure: Failure | None = None
+        self.latencies: list[float] = []
+        self.done = self.failed = 0
+        self.pending_rows = self.pending_bytes = 0
+        self.last_commit = time.monotonic()
+        # items settled one by one, gathered as columns until the next block or commit (a part)
+        self.item_indices: list[int] = []
+        self.item_cols: dict[str, list[Any]] = {}
+        self.item_keep: dict[str, list[Any]] = {k: [] for k in self.keep_names}
+        self.item_bytes = 0  # bytes of one item's rows (from the schema)
+        self._expect: tuple[Schema, list[tuple[str, np.dtype[Any], tuple[int, ...]]]] | None = None
+
+    def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
+        """One item's outcome (a task of one item, or an item of a chunk)."""
+        if isinstance(outcome, Result):
+            rows = self._fast_rows(outcome.outputs)
+            if rows is None:
+                try:
+                    rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
+                                   reserved=self.keep_names)  # numeric unless Parquet: checked there
+                    if self.schema is None:
+                        self.schema = schema_of(rows)
+                    check_rows(rows, self.schema)
+                except RowError as exc:
+                    return self._fail(index, exc, outcome.attempts, self._kept_one(kept))
+            if not self.item_indices:
+                self.item_cols = {k: [] for k in rows}
+                self.item_bytes = sum(getattr(v, "nbytes", 64) for v in rows.values())
+            self.item_indices.append(index)
+            for k, v in rows.items():
+                self.item_cols[k].append(v)
+            for k, values in self.item_keep.items():
+                values.append(kept.get(k) if kept else None)
+            self.done += 1
+            self.pending_rows += 1
+            self.pending_bytes += self.item_bytes
+            self.latencies.append(outcome.timings.total)
+        elif isinstance(outcome, ITEM_ERRORS):
+            self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1, self._kept_one(kept))
+        else:  # the pool itself broke (or a bug): not an item's fault
+            raise outcome
+
+    def _fast_rows(self, outputs: Any) -> dict[str, Array] | None:
+        """What to_rows + check_rows give, for the common case only (a dict of the first item's
+        names, numeric arrays of its dtypes and shapes); None: take the general path."""
+        schema = self.schema
+        if schema is None or type(outputs) is not dict or len(outputs) != len(schema):
+            return None
+        if self._expect is None or self._expect[0] is not schema:
+            lead = (1,) if self.strip_batch else ()
+            self._expect = (schema, [(k, np.dtype(d), (*lead, *sh)) for k, (d, sh) in schema.items()
+                                     if d != job_parquet.PY])
+        expect = self._expect[1]
+        if len(expect) != len(schema):
+            return None
+        rows = {}
+        for name, dtype, shape in expect:
+            a = outputs.get(name)
+            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+                return None
+            rows[name] = a[0] if self.strip_batch else a
+        return rows
+
+    def _kept_one(self, kept: dict[str, Any] | None) -> dict[str, list[Any]]:
+        return {k: [kept.get(k) if kept else None] for k in self.keep_names}
+
+    def _flush_items(self) -> None:
+        """The items gathered one by one become one part: each output's rows stacked (a
+        Parquet OUTPUT's non-numeric values stay a list)."""
+        if not self.item_indices:
+            return
+        schema = self.schema or {}
+        cols = {k: v if schema.get(k, ("py",))[0] == job_parquet.PY else np.stack(v)
+                for k, v in self.item_cols.items()}
+        self.parts.append((np.asarray(self.item_indices, dtype=np.int64), cols, self.item_keep))
+        self.item_indices, self.item_cols = [], {}
+        self.item_keep = {k: [] for k in self.keep_names}
+
+    def add_block(self, piece: Piece, latency: float, kept: dict[str, list[Any]] | None = None) -> None:
+        """Rows [lo, hi) of a block: its outputs, or one failure per row (a row cut alone).
+        `kept`: the rows' --keep values, one list per column."""
+        keep = {k: (kept or {}).get(k) or [None] * (piece.hi - piece.lo) for k in self.keep_names}
+        error: BaseException | None = piece.error
+        if error is None:
+            assert piece.outputs is not None
+            cols = {str(k): np.asarray(v) for k, v in piece.outputs.items()}
+            try:
+                self._check({k: v[0] for k, v in cols.items()} if piece.hi > piece.lo else {})
+            except RowError as exc:
+                error = exc
+            else:
+                self._keep(np.arange(piece.lo, piece.hi, dtype=np.int64), cols, keep)
+                self.latencies.append(latency)
+                return
+        if not isinstance(error, ITEM_ERRORS):
+            raise error
+        attempts = len(getattr(error, "crashes", ())) or 1
+        for j, i in enumerate(range(piece.lo, piece.hi)):
+            self._fail(i, error, attempts, {k: v[j : j + 1] for k, v in keep.items()})
+
+    def _check(self, rows: dict[str, Array]) -> None:
+        for name, a in rows.items():
+            if a.dtype.hasobject or a.dtype.kind in "USV":
+                raise RowError(f"output {name!r} is not a numeric array (dtype {a.dtype})")
+        if self.schema is None:
+            self.schema = schema_of(rows)
+        check_rows(rows, self.schema)
+
+    def _keep(self, indices: Array, cols: dict[str, Any], keep: dict[str, list[Any]]) -> None:
+        self._flush_items()  # parts stay in the order they settled
+        self.parts.append((indices, cols, keep))
+        self.done += len(indices)
+        self.pending_rows += len(indices)
+        self.pending_bytes += sum(getattr(v, "nbytes", 64 * len(v)) for v in cols.values())
+
+    def _fail(self, index: int, exc: BaseException, attempts: int, keep: dict[str, list[Any]]) -> None:
+        message = (str(exc).strip().splitlines() or [""])[0]
+        failure = Failure(index, type(exc).__name__, message, attempts)
+        self.failures.append(failure)
+        for k, v in keep.items():
+            self.failed_kept[k].extend(v)
+        self.first_failure = self.first_failure or failure
+        self.failed += 1
+
+    def due(self, every: float) -> bool:
+        pending = self.pending_rows + len(self.failures)
+        if not pending:
+            return False
+        full = (len(self.parts) + len(self.item_indices) + len(self.failures) >= MAX_SHARD_ITEMS
+                or self.pending_bytes >= MAX_SHARD_BYTES)
+        return full or time.monotonic() - self.last_commit >= every
+
+    def commit(self) -> None:  # step 4
+        self._flush_items()
+        if self.store.direct and (self.parts or self.failures):
+            self.store.commit_direct([(i, c) for i, c, _ in self.parts], self.failures, self.schema)
+        elif self.parts or self.failures:
+            parts = self.parts
+            indices = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+            cols = ({k: _join([p[1][k] for p in parts]) for k in parts[0][1]}
+                    if len(parts) > 1 else parts[0][1] if parts else {})
+            kept = {k: [*(v for p in parts for v in p[2][k]), *self.failed_kept[k]] for k in self.keep_names}
+            self.store.commit(indices, cols, self.failures, kept=kept, schema=self.schema)
+        self.parts, self.failures = [], []
+        self.failed_kept = {k: [] for k in self.keep_names}
+        self.pending_rows = self.pending_bytes = 0
+        self.last_commit = time.monotonic()
+
+
+def _join(pieces: list[Any]) -> Any:
+    """One column from the pieces of a shard: arrays concatenated; lists (Parquet) joined."""
+    if all(isinstance(p, np.ndarray) for p in pieces):
+        return np.concatenate(pieces)
+    return [row for p in pieces for row in p]

@@ -1,0 +1,325 @@
+"""Sources of tables: Parquet, CSV and Arrow IPC, read with pyarrow in record batches, never
+whole (pyarrow is imported only for them: `pip install 'slabpool[parquet]'`). A row is one
+item; the model's input columns become arrays (`column_array`, `column_rows`, `cell_array`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slabpool.engine.job.sources.base import (
+    READ_ROWS,
+    SPAN_BYTES,
+    Array,
+    Block,
+    JobError,
+    RowReader,
+    Source,
+    Span,
+    SpanRows,
+    file_fingerprint,
+    prefetch,
+    require_pyarrow,
+)
+from slabpool.workers.protocol import TensorSpec
+
+
+class TableSource(Source):
+    """A Parquet, CSV or Arrow table, read in record batches. A row is one item."""
+
+    keepable: tuple[str, ...]
+
+    def __init__(self, path: Path, hook: bool) -> None:
+        super().__init__(path, hook)
+        self.pa = require_pyarrow(f"reading {path.name}")
+        self.fingerprint = file_fingerprint(path)
+        self.schema = self._schema()
+        self.keepable = tuple(self.schema.names)
+        self.keep_types = {f.name: f.type for f in self.schema}
+
+    def _schema(self) -> Any:
+        raise NotImplementedError
+
+    def _batches(self, columns: list[str] | None, size: int) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def bind(self, inputs: Sequence[TensorSpec]) -> None:
+        super().bind(inputs)
+        if self.hook:
+            return
+        names = [s.name for s in inputs]
+        missing = [n for n in names if n not in self.schema.names]
+        if missing:
+            raise JobError(f"{self.label} has no column {', '.join(map(repr, missing))} for the model's "
+                           f"input(s) {names} (columns: {', '.join(self.schema.names)}); name the columns "
+                           "after the inputs or pass --preprocess MOD:FN")
+        for spec in inputs:
+            leaf = _leaf_type(self.pa, self.schema.field(spec.name).type)
+            if leaf is None:
+                raise JobError(f"{self.label}: column {spec.name!r} is {self.schema.field(spec.name).type}; "
+                               "a model input needs numbers or lists of numbers (or pass --preprocess MOD:FN)")
+
+    @property
+    def blockable(self) -> bool:
+        return not self.hook
+
+    def row_reader(self, todo: list[tuple[int, int]]) -> RowReader:
+        return SpanRows(todo, prefetch(self.spans()))
+
+    def spans(self) -> Iterator[Span]:
+        """The whole table front to back as Spans: record batches gathered up to ~SPAN_BYTES,
+        each input column turned into one array; unreadable rows are spans of their own."""
+        columns = list(dict.fromkeys([*(s.name for s in self.inputs), *self.keep]))
+        start, gathered, nbytes = 0, [], 0
+        for batch in self._batches(columns, 16 * READ_ROWS):
+            gathered.append(batch)
+            nbytes += batch.nbytes
+            if nbytes >= SPAN_BYTES:
+                yield from self._spans_of(start, gathered)
+                start += sum(b.num_rows for b in gathered)
+                gathered, nbytes = [], 0
+        if gathered:
+            yield from self._spans_of(start, gathered)
+            start += sum(b.num_rows for b in gathered)
+        if start != self.count:
+            raise JobError(f"{self.label}: read {start} rows, expected {self.count} (changed while read?)")
+
+    def _spans_of(self, start: int, batches: list[Any]) -> Iterator[Span]:
+        table = self.pa.Table.from_batches(batches)
+        n = table.num_rows
+        keep = {k: table.column(k).to_pylist() for k in self.keep}
+        bad: dict[int, ValueError] = {}
+        arrays: dict[str, Array] = {}
+        for spec in self.inputs:
+            got = column_rows(self.pa, table.column(spec.name).combine_chunks(), spec.name, bad)
+            if got is None:  # ragged lists: row by row, same-shaped neighbours together
+                yield from self._row_spans(start, table, keep)
+                return
+            arrays[spec.name] = got
+        at = 0
+        for j in [*sorted(bad), n]:
+            if j > at:
+                yield Span(start + at, start + j, {k: a[at:j] for k, a in arrays.items()},
+                           keep={k: v[at:j] for k, v in keep.items()})
+            if j < n:
+                yield Span(start + j, start + j + 1, error=bad[j], keep={k: v[j : j + 1] for k, v in keep.items()})
+            at = j + 1
+
+    def _row_spans(self, start: int, table: Any, keep: dict[str, list[Any]]) -> Iterator[Span]:
+        """Each row read on its own; consecutive rows of the same shapes form one span."""
+        cols = {s.name: table.column(s.name) for s in self.inputs}
+        run: list[dict[str, Array]] = []
+
+        def flush(j: int) -> Iterator[Span]:
+            if run:
+                lo = j - len(run)
+                yield Span(start + lo, start + j, {k: np.stack([r[k] for r in run]) for k in cols},
+                           keep={k: v[lo:j] for k, v in keep.items()})
+                run.clear()
+
+        for j in range(table.num_rows):
+            try:
+                row = {k: cell_array(self.pa, c, j) for k, c in cols.items()}
+            except ValueError as exc:
+                yield from flush(j)
+                yield Span(start + j, start + j + 1, error=exc, keep={k: v[j : j + 1] for k, v in keep.items()})
+                continue
+            if run and any(run[0][k].shape != row[k].shape for k in cols):
+                yield from flush(j)
+            run.append(row)
+        yield from flush(table.num_rows)
+
+    def blocks(self, size: int) -> Iterator[Block]:
+        if self.hook:
+            columns = None
+        else:
+            columns = list(dict.fromkeys([*(s.name for s in self.inputs), *self.keep]))
+        start = 0
+        for batch in self._batches(columns, size):
+            for off in range(0, batch.num_rows, size):
+                part = batch.slice(off, size)
+                yield self._block(start, part)
+                start += part.num_rows
+        if start != self.count:
+            raise JobError(f"{self.label}: read {start} rows, expected {self.count} (changed while read?)")
+
+    def _block(self, start: int, batch: Any) -> Block:
+        n = batch.num_rows
+        keep = {k: batch.column(k).to_pylist() for k in self.keep}
+        if self.hook:
+            return Block(start, n, items=batch.to_pylist(), keep=keep)
+        rows: dict[str, Array] = {}
+        for spec in self.inputs:
+            arr = column_array(self.pa, batch.column(spec.name))
+            if arr is None:  # ragged lists or nulls: each row on its own
+                return Block(start, n, items=self._per_row(batch), load=_raise_errors, keep=keep)
+            rows[spec.name] = arr
+        return Block(start, n, rows=rows, keep=keep)
+
+    def _per_row(self, batch: Any) -> list[Any]:
+        out: list[Any] = []
+        cols = {s.name: batch.column(s.name) for s in self.inputs}
+        for j in range(batch.num_rows):
+            try:
+                out.append({k: cell_array(self.pa, c, j)[None] for k, c in cols.items()})
+            except ValueError as exc:
+                out.append(exc)
+        return out
+
+
+def _raise_errors(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+class ParquetSource(TableSource):
+    kind = "a Parquet table"
+
+    def __init__(self, path: Path, hook: bool) -> None:
+        super().__init__(path, hook)
+        self.count = int(self._file().metadata.num_rows)
+
+    def _file(self) -> Any:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(self.path)
+
+    def _schema(self) -> Any:
+        return self._file().schema_arrow
+
+    def _batches(self, columns: list[str] | None, size: int) -> Iterator[Any]:
+        yield from self._file().iter_batches(batch_size=size, columns=columns)
+
+
+class ArrowSource(TableSource):
+    """Arrow IPC (Feather v2): the file format, or the stream format."""
+
+    kind = "an Arrow table"
+
+    def __init__(self, path: Path, hook: bool) -> None:
+        super().__init__(path, hook)
+        try:
+            r = self.pa.ipc.open_file(self.path)
+            self.count = sum(r.get_batch(i).num_rows for i in range(r.num_record_batches))
+        except self.pa.ArrowInvalid:
+            self.count = sum(b.num_rows for b in self._stream(None))
+
+    def _stream(self, columns: list[str] | None) -> Iterator[Any]:
+        try:
+            r = self.pa.ipc.open_file(self.path)
+            batches: Iterator[Any] = (r.get_batch(i) for i in range(r.num_record_batches))
+        except self.pa.ArrowInvalid:
+            batches = iter(self.pa.ipc.open_stream(self.path))
+        for b in batches:
+            yield b.select(columns) if columns is not None else b
+
+    def _schema(self) -> Any:
+        try:
+            return self.pa.ipc.open_file(self.path).schema
+        except self.pa.ArrowInvalid:
+            return self.pa.ipc.open_stream(self.path).schema
+
+    def _batches(self, columns: list[str] | None, size: int) -> Iterator[Any]:
+        yield from self._stream(columns)
+
+
+class CsvSource(TableSource):
+    """CSV with a header row; pyarrow infers column types from the first block (8 MiB)."""
+
+    kind = "a CSV table"
+    BLOCK = 8 << 20
+
+    def __init__(self, path: Path, hook: bool) -> None:
+        super().__init__(path, hook)
+        self.count = sum(b.num_rows for b in self._reader([self.schema.names[0]]))
+
+    def _reader(self, columns: list[str] | None) -> Any:
+        from pyarrow import csv
+
+        convert = csv.ConvertOptions(include_columns=columns) if columns is not None else None
+        return csv.open_csv(self.path, read_options=csv.ReadOptions(block_size=self.BLOCK),
+                            convert_options=convert)
+
+    def _schema(self) -> Any:
+        return self._reader(None).schema
+
+    def _batches(self, columns: list[str] | None, size: int) -> Iterator[Any]:
+        try:
+            yield from self._reader(columns)
+        except self.pa.ArrowInvalid as exc:
+            raise JobError(f"{self.label}: {exc}") from exc
+
+
+# -- arrow columns -> numpy ------------------------------------------------------------------------
+
+
+def _leaf_type(pa: Any, t: Any) -> Any:
+    """The numeric type inside (nested) lists, or None when the column is not numeric."""
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    return t if numeric else None
+
+
+def column_array(pa: Any, col: Any) -> Array | None:
+    """A numeric or (nested) list column as one array (rows on axis 0); None when lists are
+    ragged or a value is null (then each row is read on its own)."""
+    if col.null_count:
+        return None
+    t = col.type
+    n = len(col)
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        if pa.types.is_fixed_size_list(t):
+            k = t.list_size
+        else:
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(col)
+            if n and pc.min_max(lengths)["min"] != pc.min_max(lengths)["max"]:
+                return None
+            k = lengths[0].as_py() if n else 0
+        inner = column_array(pa, col.flatten())
+        if inner is None:
+            return None
+        return inner.reshape((n, k, *inner.shape[1:]))
+    if _leaf_type(pa, t) is None:
+        return None
+    return np.asarray(col.to_numpy(zero_copy_only=False))
+
+
+def column_rows(pa: Any, col: Any, name: str, bad: dict[int, ValueError]) -> Array | None:
+    """A column as one array (rows on axis 0), its null rows zero and listed in `bad` with
+    their error; None when its lists are ragged (or hold nulls inside)."""
+    if not col.null_count:
+        return column_array(pa, col)
+    valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    good = column_array(pa, col.filter(pa.array(valid)))
+    if good is None:
+        return None
+    for j in np.flatnonzero(~valid).tolist():
+        bad.setdefault(j, ValueError(f"column {name!r} ({col.type}) is null in this row"))
+    out = np.zeros((len(col), *good.shape[1:]), dtype=good.dtype)
+    out[valid] = good
+    return out
+
+
+def cell_array(pa: Any, col: Any, j: int) -> Array:
+    """Row j of a column as an array of the column's numeric type (ValueError when null/ragged)."""
+    value = col[j].as_py()
+    if value is None or _has_none(value):
+        raise ValueError(f"column {col.type} is null in this row")
+    dtype = np.dtype(_leaf_type(pa, col.type).to_pandas_dtype())
+    a = np.asarray(value, dtype=dtype)
+    if a.dtype == object:
+        raise ValueError("ragged nested lists cannot form an array")
+    return a
+
+
+def _has_none(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_none(v) for v in value)
+    return value is None
