@@ -177,7 +177,7 @@ def test_npy_output_is_written_in_place_then_linked(tmp_path: Path, models: Simp
 def test_damaged_direct_rows_run_again(tmp_path: Path, models: SimpleNamespace) -> None:
     """A commit whose rows no longer have their CRC (the file changed after the journal line) is
     dropped on --resume: only its rows are computed again, the .npz ends byte-identical."""
-    x = RNG.standard_normal((3000, 16)).astype(np.float32)
+    x = RNG.standard_normal((30000, 16)).astype(np.float32)  # 100 blocks: commits every ~ms, many
     np.save(tmp_path / "in.npy", x)
     out = tmp_path / "out.npz"
     parts = Path(f"{out}.parts")

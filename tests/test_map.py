@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.caller.base import MAX_CHUNK, _Pace
+from slabpool.engine.caller.mapping import MAX_CHUNK, _Pace
 from slabpool.workers.errors import InputContractError, PoisonTask, SessionRunError
 from tests.models import onnx_models
 from tests.reference import ort_run

@@ -1,0 +1,213 @@
+"""`map()`: items in, outcomes out, in order (or as they finish), with bounded memory.
+
+Tiny items go many to a task (a chunk: one outcome per item), the chunk size following the
+measured run time per item (`_Pace`); an item refused at the door or failing in the worker is
+that item's outcome alone; a chunk that kills workers runs again item by item.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import numpy as np
+
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.task import Result
+from slabpool.workers import errors as E
+from slabpool.workers.protocol import Chunk, RemoteError
+
+
+class MapMixin:
+    """map() for BaseEngine, built on its submit(), _submit_chunk() and _tally()."""
+
+    chunked_map = False  # map() may send several items as one task (a local Engine)
+    config: EngineConfig
+
+    submit: Callable[..., Future[Result]]  # BaseEngine's
+    _submit_chunk: Callable[[list[Any], dict[str, Any] | None], Future[Result]]
+    _tally: Callable[..., None]
+
+    def map(
+        self,
+        items: Iterable[Any],
+        *,
+        window: int | None = None,
+        return_exceptions: bool = False,
+        context: dict[str, Any] | None = None,
+        chunk: int | None = None,
+        ordered: bool = True,
+    ) -> Iterator[Any]:
+        """Results in submission order, at most `window` items in flight (memory stays bounded).
+        `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
+        items of one chunk still come together, in their order).
+
+        A failed item raises at its position, unless `return_exceptions` yields the error
+        instead. Abandoning the iterator cancels what is still queued.
+
+        `chunk`: items per task. None: sized from the measured run time per item, so that a
+        task runs ~CHUNK_TARGET_S (tiny items go up to MAX_CHUNK to a task and pay one task's
+        overhead between them; items of milliseconds go one by one). 1: a task per item.
+        A chunk's items run in one worker, one by one (byte-identical to a task each), or
+        stacked into one session call when dynamic batching is on (max_batch_size > 1: the
+        same float tolerance as batching); each keeps its own outcome, and its Result carries
+        the chunk's task id (and stats() counts it as one task). A chunk that kills workers
+        runs again item by item, so a poison item fails alone."""
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
+        auto = chunk is None and self._chunks_ok()
+        size = 1 if chunk is None or not self._chunks_ok() else chunk
+        base = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
+        pace = _Pace()
+        pending: deque[tuple[Future[Result], list[Any]]] = deque()
+        in_flight = 0
+        it = iter(items)
+        try:
+            while True:
+                if auto:
+                    size = pace.chunk(window, self.config.workers)
+                limit = window or max(base, 4 * self.config.workers * size)
+                group = list(itertools.islice(it, size))
+                if not group:
+                    break
+                pace.weigh(group[0])
+                pending.extend(self._submit_items(group, context, return_exceptions))
+                in_flight += len(group)
+                while pending and in_flight >= limit:
+                    fut, group = _next_done(pending, ordered)
+                    in_flight -= len(group)
+                    yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
+            while pending:
+                fut, group = _next_done(pending, ordered)
+                yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
+        finally:
+            for f, group in pending:
+                f.cancel()
+                if len(group) > 1:  # a chunk's items are the caller's side to count
+                    self._tally(cancelled=len(group))
+
+    def _submit_items(
+        self, group: list[Any], context: dict[str, Any] | None, contain: bool,
+    ) -> list[tuple[Future[Result], list[Any]]]:
+        """Submit one task of map(). With `contain` (return_exceptions), an item refused at the
+        door (its input contract, data that cannot be pickled, too large) becomes a failed
+        Future at its position: the items of its chunk go one by one, the rest still runs."""
+        try:
+            if len(group) == 1:
+                return [(self.submit(group[0], context=context), group)]
+            fut = self._submit_chunk(group, context)
+            self._tally(accepted=len(group))
+            return [(fut, group)]
+        except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
+            if not contain:
+                raise
+            if len(group) > 1:
+                return [part for x in group for part in self._submit_items([x], context, contain)]
+            failed: Future[Result] = Future()
+            failed.set_exception(exc)
+            return [(failed, group)]
+
+    def _outcomes(
+        self, fut: Future[Result], group: list[Any], return_exceptions: bool, context: dict[str, Any] | None,
+        pace: _Pace, tally: bool,
+    ) -> Iterator[Any]:
+        """The outcome of each item of one task of map(): its Result, or its error. `tally`:
+        the task counts no items itself (a chunk, or an item of one run again alone)."""
+        try:
+            res = fut.result()
+        except (E.PoisonTask, E.WorkerCrashed) as exc:
+            if len(group) > 1:  # which item kills workers? each alone now: it fails alone
+                futs: list[Future[Result]] = []
+                seen = 0
+                try:
+                    futs = [self.submit(x, context=context, _units=0) for x in group]
+                    for f, x in zip(futs, group, strict=True):
+                        seen += 1  # its outcome is counted by the call below
+                        yield from self._outcomes(f, [x], return_exceptions, context, pace, True)
+                finally:
+                    for f in futs[seen:]:
+                        f.cancel()
+                    self._tally(cancelled=len(group) - seen)
+                return
+            yield from self._failed(exc, 1, return_exceptions, tally)
+            return
+        except Exception as exc:  # noqa: BLE001 - every item of the task ends with it (raised there)
+            yield from self._failed(exc, len(group), return_exceptions, tally)
+            return
+        pace.observe(res.timings.run, len(group))
+        if type(res.outputs) is not Chunk:
+            if tally:
+                self._tally(completed=1)
+            yield res
+            return
+        outs: list[Any] = res.outputs
+        bad = [i for i, out in enumerate(outs) if type(out) is RemoteError]
+        self._tally(completed=len(outs) - len(bad), failed=len(bad))
+        if bad and not return_exceptions:
+            outs = outs[: bad[0] + 1]  # raise at the first failed item's position
+        for out in outs:
+            if type(out) is RemoteError:
+                err = E.from_remote(out, res.task_id)
+                if not return_exceptions:
+                    raise err
+                yield err
+            else:
+                yield Result(res.task_id, out, res.model_version, res.slot, res.pid, res.attempts, res.timings,
+                             res.context)
+
+    def _failed(self, exc: BaseException, count: int, return_exceptions: bool, tally: bool) -> Iterator[Any]:
+        if tally:
+            self._tally(failed=count)
+        if not return_exceptions:
+            raise exc
+        for _ in range(count):
+            yield exc
+
+    def _chunks_ok(self) -> bool:
+        """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
+        return self.chunked_map and self.config.task_timeout is None
+
+
+CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%
+MAX_CHUNK = 256  # items per chunk task at most
+MAX_CHUNK_BYTES = 16 * 1024 * 1024  # input bytes per chunk task at most (shared memory, queue_bytes)
+
+
+def _next_done(pending: deque[tuple[Future[Result], list[Any]]], ordered: bool) -> tuple[Future[Result], list[Any]]:
+    """The task whose outcomes map() yields next: the oldest, or (unordered) the first finished."""
+    if not ordered:
+        wait([f for f, _ in pending], return_when=FIRST_COMPLETED)
+        for i, entry in enumerate(pending):
+            if entry[0].done():
+                del pending[i]
+                return entry
+    return pending.popleft()
+
+
+class _Pace:
+    """map()'s measure of the run time per item (an EWMA over finished tasks), and the chunk
+    size it implies."""
+
+    def __init__(self) -> None:
+        self.per_item: float | None = None
+        self.item_bytes = 0  # array bytes of the latest item looked at
+
+    def observe(self, run_s: float, items: int) -> None:
+        per = run_s / max(items, 1)
+        self.per_item = per if self.per_item is None else 0.8 * self.per_item + 0.2 * per
+
+    def weigh(self, item: Any) -> None:
+        if isinstance(item, dict):
+            self.item_bytes = sum(v.nbytes for v in item.values() if isinstance(v, np.ndarray))
+
+    def chunk(self, window: int | None, workers: int) -> int:
+        if self.per_item is None:
+            return 1  # nothing measured yet: a task per item
+        size = max(1, min(MAX_CHUNK, int(CHUNK_TARGET_S / max(self.per_item, 1e-7)),
+                          MAX_CHUNK_BYTES // max(self.item_bytes, 1)))
+        if window:  # keep two tasks per worker in flight within the caller's window
+            size = max(1, min(size, window // (2 * workers)))
+        return size
