@@ -9,7 +9,7 @@ BASE   := $(VENV)/.installed-base-$(HASH)
 FULL   := $(VENV)/.installed-full-$(HASH)
 EXTRAS := litert,parquet,test,bench,dev,metrics,ray
 
-.PHONY: run test test-fast bench check venv clean
+.PHONY: run test test-fast bench bench-jobs check venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ test-fast: $(FULL) ## everything but the cases marked slow
 
 bench: $(FULL)     ## slabpool vs the alternatives, side by side; writes bench/results/
 	$(BIN)/python -m bench
+
+bench-jobs: $(FULL) ## the main job's workloads (rows, infer, JSONL, map, table) as whole processes
+	$(BIN)/python -m bench.jobs
 
 check: $(FULL)     ## ruff + mypy
 	$(BIN)/ruff check slabpool engine workers shm tests bench
