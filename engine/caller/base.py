@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 import numpy as np
 
@@ -33,6 +33,24 @@ from slabpool.workers.protocol import FaultSpec, SessionInfo, TensorSpec
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
 
+class Owner(Protocol):
+    """What the caller's side asks of a backend's owner thread: an engine.core.owner.OwnerThread
+    that is also an engine.core.ledger.TaskLedger, and can abort."""
+
+    @property
+    def on_thread(self) -> bool: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+
+    def join(self, timeout: float | None) -> bool: ...
+
+    def close(self, cancel_pending: bool) -> None: ...
+
+    def cancel(self, task: Task, kill: bool) -> bool: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
 class BaseEngine(MapMixin, AsyncEngineMixin):
     """The caller's API, shared by every backend: `Engine` (local worker processes) and
     `RayEngine` (Ray actors). The constructor is here, once: every setting is a typed
@@ -46,6 +64,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     _batchable: bool
     _close_lock: threading.Lock
     _metrics: Metrics
+    _owner: Owner  # the backend's owner thread (engine.core.owner) with its task ledger
 
     def __init__(
         self,
@@ -111,10 +130,43 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         _fault: FaultSpec | None = None,
         _units: int = 1,
     ) -> Future[Result]:
+        """Accept one task: its inputs are checked against the model (step 1) and handed over
+        (step 2: copied into shared memory, or put into Ray's object store) before this returns.
+        A Future of its Result. `deadline`: seconds it may wait in the queue; `block_timeout`:
+        how long a full queue may block this call (admission="block")."""
+        self._check_accepting()
+        item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
+        if not _units:  # a block of rows (infer(batch_size=), the job): never stacked with others
+            shape_key, items = ("block", items, shape_key), 0
+        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units)
+
+    def _check_accepting(self) -> None:
+        if self._state is not EngineState.ACCEPTING:
+            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
+
+    def _enqueue(
+        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
+    ) -> Future[Result]:
+        """Step 2, the backend's: hand one checked task over and put it in the queue."""
         raise NotImplementedError
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
-        raise NotImplementedError
+        """Stop accepting; drain (or cancel what is queued); stop every slot; free what the
+        engine holds. Idempotent, callable from any thread and from a Future's done-callback.
+        `timeout`: then what still runs is cancelled and its slots stopped."""
+        self._stop_accepting()
+        owner = self._owner
+        owner.call(owner.close, cancel_pending)
+        if owner.on_thread:  # from a done-callback: the loop finishes the job
+            return
+        if not owner.join(timeout):
+            owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+            owner.join(None)
+        self._after_close()
+
+    def _after_close(self) -> None:
+        """Once the owner thread has stopped (from close(), not from a done-callback)."""
 
     def _stop_accepting(self) -> None:
         """ACCEPTING -> DRAINING, once: later submits raise EngineClosed."""
@@ -135,7 +187,10 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
         """cancel() of a task the queue no longer holds: ask the owner thread."""
-        raise NotImplementedError
+        try:
+            return bool(self._owner.call(self._owner.cancel, task, kill).result())
+        except E.EngineClosed:
+            return False  # the engine has stopped: every task has already ended
 
     # -- step 1 and the task's identity ---------------------------------------------------------
 

@@ -101,6 +101,7 @@ class Engine(BaseEngine):
             multiprocessing.get_context(cfg.start_method), self._boot_factory(cfg), self._metrics,
         )
         self._queue.set_wake(self._sup.wake)
+        self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(
             _on_stopped, weakref.ref(self), self._sup, self._inputs, self._outputs, self._lock)
@@ -109,36 +110,18 @@ class Engine(BaseEngine):
 
     # -- steps 1-2: validate, lease, copy in -----------------------------------------------------
 
-    def submit(
-        self,
-        inputs: Any,
-        *,
-        context: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        block_timeout: float | None = None,
-        _fault: FaultSpec | None = None,
-        _units: int = 1,
-    ) -> Future[Result]:
-        """Accept one task; its inputs are copied into shared memory before this returns."""
-        if self._state is not EngineState.ACCEPTING:
-            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
-        item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
-        if not _units:  # a block of rows (infer(batch_size=), the job): never stacked with others
-            shape_key, items = ("block", items, shape_key), 0
-        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units)
-
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         """Several items as one task (Engine.map): its Result's outputs are a Chunk, one
         outcome per item (see workers/protocol.Chunk)."""
-        if self._state is not EngineState.ACCEPTING:
-            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
+        self._check_accepting()
         chunk = Chunk(self._admit(x)[0] for x in inputs)  # each item checked at the door
         return self._enqueue(chunk, ("chunk", len(chunk)), 0, context, None, None, None, 0)
 
     def _enqueue(
         self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, _fault: FaultSpec | None, units: int = 1,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
     ) -> TaskFuture:
+        """Step 2: seal user data, lease input memory and copy the inputs in, then queue."""
         skeleton, arrays = packing.split(item)
         if self.config.preprocess is not None and not _plain(skeleton):  # user data: a TypeError
             skeleton = _seal_items(skeleton) if type(skeleton) is Chunk else seal(skeleton, "the inputs")
@@ -172,7 +155,7 @@ class Engine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, _fault, copy_in_s=copy_s, nbytes=nbytes, units=units,
+                        abs_deadline, fault, copy_in_s=copy_s, nbytes=nbytes, units=units,
                         wire_context=wire_context)
 
         try:
@@ -192,18 +175,6 @@ class Engine(BaseEngine):
             task.lease = None
         if error is not None:
             task.future.set_exception(error)
-
-    def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting; drain (or cancel what is queued); stop every worker; free shared memory.
-        Idempotent, callable from any thread and from a Future's done-callback."""
-        self._stop_accepting()
-        sup = self._sup
-        sup.call(sup.close, cancel_pending)
-        if sup.on_thread:  # from a done-callback: the loop finishes the job
-            return
-        if not sup.join(timeout):
-            sup.call(sup.abort, f"close(timeout={timeout}) expired before the task ended")
-            sup.join(None)
 
     def reload(
         self,
@@ -250,11 +221,6 @@ class Engine(BaseEngine):
     def _info(self) -> SessionInfo | None:
         return self._sup.info
 
-    def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
-        try:
-            return bool(self._sup.call(self._sup.cancel, task, kill).result())
-        except E.EngineClosed:
-            return False  # the engine has stopped: every task has already ended
 
     def __repr__(self) -> str:
         slots = self._sup.slots

@@ -35,7 +35,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -46,9 +45,8 @@ from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
-from slabpool.engine.core.task import Result, Task
+from slabpool.engine.core.task import Task
 from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
-from slabpool.workers import errors as E
 from slabpool.workers.protocol import FaultSpec, Packed, SessionInfo
 
 log = logging.getLogger("slabpool.engine.ray")
@@ -101,6 +99,7 @@ class RayEngine(BaseEngine):
         self._metrics = Metrics()
         try:
             self._ledger = _Ledger(self.config, self._queue, self._metrics, cpus_per_slot, actor_options)
+            self._owner = self._ledger
             self._ledger.on_stopped = self._mark_closed  # once every actor is killed
             self._ledger.start()
         except BaseException:
@@ -114,20 +113,11 @@ class RayEngine(BaseEngine):
 
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
-    def submit(
-        self,
-        inputs: Any,
-        *,
-        context: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        block_timeout: float | None = None,
-        _fault: FaultSpec | None = None,
-        _units: int = 1,
-    ) -> Future[Result]:
-        """Accept one task; its inputs are in Ray's object store before this returns."""
-        if self._state is not EngineState.ACCEPTING:
-            raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
-        item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
+    def _enqueue(
+        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
+    ) -> TaskFuture:
+        """Step 2: the inputs go into Ray's object store, then the task into the queue."""
         for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
             self._end_queued(old, superseded_error(old))
         try:
@@ -142,7 +132,7 @@ class RayEngine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, context, self._seed(task_id),
-                           abs_deadline, _fault, copy_in_s=put_s, ref=ref, units=_units)
+                           abs_deadline, fault, copy_in_s=put_s, ref=ref, units=units)
 
         task = self._queue.accept(make)
         fut.slabpool_task = task
@@ -155,18 +145,8 @@ class RayEngine(BaseEngine):
         if error is not None:
             task.future.set_exception(error)
 
-    def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting; drain (or cancel what is queued); kill the actors; shut Ray down if
-        this engine started it. Idempotent."""
-        self._stop_accepting()
-        ledger = self._ledger
-        ledger.call(ledger.close, cancel_pending)
-        if ledger.on_thread:  # from a done-callback: the loop finishes the job
-            return
-        if not ledger.join(timeout):
-            ledger.call(ledger.abort, f"close(timeout={timeout}) expired before the task ended")
-            ledger.join(None)
-        self._shutdown_ray()
+    def _after_close(self) -> None:
+        self._shutdown_ray()  # if this engine started Ray
 
     def _shutdown_ray(self) -> None:
         if self._owns_ray and ray.is_initialized():
@@ -184,11 +164,6 @@ class RayEngine(BaseEngine):
     def _info(self) -> SessionInfo | None:
         return self._ledger.info
 
-    def _cancel_in_hand(self, task: Task, kill: bool) -> bool:
-        try:
-            return self._ledger.call(self._ledger.cancel, task, kill).result()
-        except E.EngineClosed:
-            return False  # the engine has stopped: every task has already ended
 
     def placement(self) -> list[tuple[int, str, int]]:
         """(slot, Ray node id, actor pid) of each slot's current incarnation."""
