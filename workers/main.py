@@ -122,6 +122,11 @@ def _watch_parent() -> None:
 
 
 class Worker:
+    """The loop of one worker process: reads RunBatch messages, runs each batch's tasks through
+    the pipeline (steps 5-7: inputs viewed in place, preprocess, contract, run, postprocess,
+    outputs into the granted region), answers BatchDone; the slot's status words say which
+    task it holds. It owns the process's one session."""
+
     def __init__(
         self,
         boot: WorkerBoot,

@@ -46,6 +46,12 @@ class Counters:
 
 
 class TaskQueue:
+    """The tasks accepted and not yet running, shared by caller threads (accept, reserve,
+    discard) and the owner thread (take, push_replays, expire, drain_all), under one lock.
+    Bounds what waits (`capacity` tasks, `max_bytes` of inputs) by the admission policy
+    (block, reject, drop_oldest); replays go ahead of new work; it decides when a caller must
+    wake the owner (`hungry`), and keeps the counters every backend reports."""
+
     def __init__(self, capacity: int, policy: str, wake: Callable[[], None], max_bytes: int = 0) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes  # input bytes queued (0: no limit); one task always fits
