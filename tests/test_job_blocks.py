@@ -37,6 +37,26 @@ def journal(parts: Path) -> list[dict[str, object]]:
     return [json.loads(ln) for ln in (parts / "journal.jsonl").read_text().splitlines()]
 
 
+def kill_mid_run_then_resume(args: list[object], parts: Path, n: int, size: int) -> set[int]:
+    """Run the job, SIGKILL it once two blocks are durable, resume it; what was durable then."""
+    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(durable_indexes(parts)) >= 2 * size, "some blocks became durable")
+        assert cli.poll() is None, "the job ended before it could be killed"
+        workers = psutil.Process(cli.pid).children(recursive=True)
+        cli.send_signal(signal.SIGKILL)
+        cli.communicate(timeout=DEADLINE)
+    finally:
+        cli.kill()
+    psutil.wait_procs(workers, timeout=20)
+    durable = durable_indexes(parts)
+    assert 0 < len(durable) < n
+    p = slabpool(*args[len(CLI):], "--resume")
+    assert p.returncode == 0, p.stderr
+    return set(durable)
+
+
 def test_npy_goes_by_blocks_byte_identical(tmp_path: Path, models: SimpleNamespace) -> None:
     x = RNG.standard_normal((20_000, 16)).astype(np.float32)
     np.save(tmp_path / "in.npy", x)
@@ -99,21 +119,7 @@ def test_sigkill_mid_run_resumes_by_blocks(tmp_path: Path, models: SimpleNamespa
     parts = Path(f"{out}.parts")
     args = [*CLI, "run", models.slow, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", size,
             "--durable-every", 0.1]
-    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: len(durable_indexes(parts)) >= 2 * size, "some blocks became durable")
-        assert cli.poll() is None, "the job ended before it could be killed"
-        workers = psutil.Process(cli.pid).children(recursive=True)
-        cli.send_signal(signal.SIGKILL)
-        cli.communicate(timeout=DEADLINE)
-    finally:
-        cli.kill()
-    psutil.wait_procs(workers, timeout=20)
-    durable = durable_indexes(parts)
-    assert 0 < len(durable) < n
-    p = slabpool(*args[len(CLI):], "--resume")
-    assert p.returncode == 0, p.stderr
+    durable = kill_mid_run_then_resume(args, parts, n, size)
     report = json.loads((parts / "report.json").read_text())
     assert report["skipped_durable"] == len(durable) and report["computed_this_run"] == n - len(durable)
     want = serial_blocks(models.slow, {"x": x}, size)  # blocks stay aligned across the resume

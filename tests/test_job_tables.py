@@ -11,14 +11,11 @@ with its own error; a job SIGKILLed mid-run resumes and ends byte-identical. The
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import psutil
 import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
@@ -28,8 +25,8 @@ from slabpool.engine.caller.blocks import RowsUnreadable
 from slabpool.engine.job.sources import open_source
 from slabpool.workers.protocol import TensorSpec
 from tests.models.onnx_models import poison_reference
-from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, slabpool, wait_until
-from tests.test_job_blocks import serial_blocks
+from tests.test_cli import CLI, slabpool
+from tests.test_job_blocks import kill_mid_run_then_resume, serial_blocks
 
 RNG = np.random.default_rng(151)
 
@@ -159,21 +156,7 @@ def test_sigkill_mid_table_resumes_byte_identical(tmp_path: Path, models: Simple
     parts = Path(f"{out}.parts")
     args = [*CLI, "run", models.slow, tmp_path / "t.parquet", "-o", out, "--workers", 2, "--batch-size", size,
             "--durable-every", 0.1]
-    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: len(durable_indexes(parts)) >= 2 * size, "some blocks became durable")
-        assert cli.poll() is None, "the job ended before it could be killed"
-        workers = psutil.Process(cli.pid).children(recursive=True)
-        cli.send_signal(signal.SIGKILL)
-        cli.communicate(timeout=DEADLINE)
-    finally:
-        cli.kill()
-    psutil.wait_procs(workers, timeout=20)
-    durable = durable_indexes(parts)
-    assert 0 < len(durable) < n
-    p = slabpool(*args[len(CLI):], "--resume")
-    assert p.returncode == 0, p.stderr
+    durable = kill_mid_run_then_resume(args, parts, n, size)
     rep = report(parts)
     assert rep["skipped_durable"] == len(durable) and rep["computed_this_run"] == n - len(durable)
     assert rep["dispatch"] == "blocks"
