@@ -56,7 +56,7 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
 Lifecycles (engine.core.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
-READY <-> BUSY -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
+READY <-> BUSY -> (RETIRING) -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
 Importing `slabpool.engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
 """
 

@@ -95,10 +95,9 @@ def test_journal_claiming_rows_no_shard_holds_is_an_error(tmp_path: Path, models
     one_line(slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--resume"), "claims item(s) [0, 1, 2")
 
 
-def test_ctrl_c_storm_exits_130_and_the_hint_drops_overwrite(tmp_path: Path, models: SimpleNamespace) -> None:
-    """SIGINT every 20 ms from the first durable shard until the CLI exits: whichever phase each
-    one lands in (drain, commit, close, final files), the exit is 130 without a traceback."""
-    items = [{"i": i, "x": r.tolist(), "sleep": 0.03} for i, r in enumerate(rows(80))]
+def slow_job_with_durable_items(tmp_path: Path, models: SimpleNamespace, n: int) -> subprocess.Popen[str]:
+    """`slabpool run ... --overwrite` over n slow JSONL items, returned once 3 items are durable."""
+    items = [{"i": i, "x": r.tolist(), "sleep": 0.03} for i, r in enumerate(rows(n))]
     out = tmp_path / "o.npy"
     args = [*CLI, "run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2,
             "--preprocess", "tests.cli_hooks:feeds", "--durable-every", 0.05, "--overwrite"]
@@ -106,6 +105,17 @@ def test_ctrl_c_storm_exits_130_and_the_hint_drops_overwrite(tmp_path: Path, mod
                            stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(durable_indexes(Path(f"{out}.parts"))) >= 3, "a first shard became durable")
+    except BaseException:
+        cli.kill()
+        raise
+    return cli
+
+
+def test_ctrl_c_storm_exits_130_and_the_hint_drops_overwrite(tmp_path: Path, models: SimpleNamespace) -> None:
+    """SIGINT every 20 ms from the first durable shard until the CLI exits: whichever phase each
+    one lands in (drain, commit, close, final files), the exit is 130 without a traceback."""
+    cli = slow_job_with_durable_items(tmp_path, models, 80)
+    try:
         deadline = time.monotonic() + DEADLINE
         while cli.poll() is None and time.monotonic() < deadline:
             cli.send_signal(signal.SIGINT)
@@ -121,14 +131,8 @@ def test_ctrl_c_storm_exits_130_and_the_hint_drops_overwrite(tmp_path: Path, mod
 
 
 def test_resume_hint_after_one_ctrl_c_drops_overwrite(tmp_path: Path, models: SimpleNamespace) -> None:
-    items = [{"i": i, "x": r.tolist(), "sleep": 0.03} for i, r in enumerate(rows(60))]
-    out = tmp_path / "o.npy"
-    args = [*CLI, "run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2,
-            "--preprocess", "tests.cli_hooks:feeds", "--durable-every", 0.05, "--overwrite"]
-    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    cli = slow_job_with_durable_items(tmp_path, models, 60)
     try:
-        wait_until(lambda: len(durable_indexes(Path(f"{out}.parts"))) >= 3, "a first shard became durable")
         cli.send_signal(signal.SIGINT)
         _, err = cli.communicate(timeout=DEADLINE)
     finally:

@@ -101,10 +101,6 @@ class OwnerThread:
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         try:
             while not self._finished():
@@ -118,9 +114,9 @@ class OwnerThread:
             finally:
                 with self._calls_lock:
                     self._loop_done = True
-                self.run_calls_after_exit()
+                self._fail_late_calls()
 
-    def run_calls_after_exit(self) -> None:
+    def _fail_late_calls(self) -> None:
         """Calls that arrived while the loop was exiting: they find no loop to run them."""
         while self._calls:
             _, _, fut = self._calls.popleft()
