@@ -18,6 +18,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from slabpool import Engine
@@ -279,10 +280,10 @@ def test_supervisor_sigkill_leaves_no_worker_and_no_shared_memory(models, tmp_pa
 
 
 def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (it may vanish while we look)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
