@@ -101,7 +101,7 @@ def test_abandoning_a_chunked_map_cancels_what_is_queued(models) -> None:  # typ
 def test_chunk_size_follows_the_measured_run_time() -> None:
     pace = _Pace()
     assert pace.chunk(None, 2) == 1  # nothing measured yet
-    pace.observe(0.010, 1)  # 10 ms an item: one by one
+    pace.observe(0.030, 1)  # 30 ms an item: one by one
     assert pace.chunk(None, 2) == 1
     pace = _Pace()
     pace.observe(0.0002, 40)  # 5 us an item

@@ -200,6 +200,7 @@ def _rows(sk: Rows, arrays: list[np.ndarray]) -> Chunk:
         hi = lo + n
         out.append({name: a[lo:hi] for name, a in zip(names, arrays, strict=True)})
         lo = hi
+    out.stacked = (sk, arrays)
     return out
 
 

@@ -49,7 +49,12 @@ class Hole(NamedTuple):
 class Chunk(list):  # type: ignore[type-arg]
     """The items of one chunk task (`Engine.map` with chunks): one task to the engine, run
     together in one worker; in the Result, one outcome per item, in order (its outputs, or the
-    RemoteError of that item alone)."""
+    RemoteError of that item alone).
+
+    A chunk unpacked from stacked rows (see Rows) keeps them in `stacked`: (the Rows, its
+    arrays), every item's rows in one block, for a reader that takes the chunk whole."""
+
+    stacked: tuple[Rows, list[Any]] | None = None
 
 
 class Rows(NamedTuple):

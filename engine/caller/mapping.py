@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,27 @@ class MapMixin:
         same float tolerance as batching); each keeps its own outcome, and its Result carries
         the chunk's task id (and stats() counts it as one task). A chunk that kills workers
         runs again item by item, so a poison item fails alone."""
+        parts = self._map_parts(items, window=window, contain=return_exceptions, context=context, chunk=chunk,
+                                ordered=ordered)
+        try:
+            for part in parts:
+                yield from part.each(return_exceptions)
+        finally:
+            parts.close()  # at once, not when a traceback lets go of it: what is queued is cancelled
+
+    def _map_parts(
+        self,
+        items: Iterable[Any],
+        *,
+        window: int | None = None,
+        contain: bool = False,
+        context: dict[str, Any] | None = None,
+        chunk: int | None = None,
+        ordered: bool = True,
+    ) -> Generator[MapPart, None, None]:
+        """map() one task at a time: a MapPart per task, holding the outcomes of its items in
+        their order (map() yields them one by one; the batch job takes a chunk's outputs whole,
+        with no Result per item). `contain`: map()'s return_exceptions at the door."""
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
         auto = chunk is None and self._chunks_ok()
@@ -74,15 +96,15 @@ class MapMixin:
                 if not group:
                     break
                 pace.weigh(group[0])
-                pending.extend(self._submit_items(group, context, return_exceptions))
+                pending.extend(self._submit_items(group, context, contain))
                 in_flight += len(group)
                 while pending and in_flight >= limit:
                     fut, group = _next_done(pending, ordered)
                     in_flight -= len(group)
-                    yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
+                    yield from self._task_parts(fut, group, context, pace, len(group) > 1)
             while pending:
                 fut, group = _next_done(pending, ordered)
-                yield from self._outcomes(fut, group, return_exceptions, context, pace, len(group) > 1)
+                yield from self._task_parts(fut, group, context, pace, len(group) > 1)
         finally:
             for f, group in pending:
                 f.cancel()
@@ -110,12 +132,12 @@ class MapMixin:
             failed.set_exception(exc)
             return [(failed, group)]
 
-    def _outcomes(
-        self, fut: Future[Result], group: list[Any], return_exceptions: bool, context: dict[str, Any] | None,
-        pace: _Pace, tally: bool,
-    ) -> Iterator[Any]:
-        """The outcome of each item of one task of map(): its Result, or its error. `tally`:
-        the task counts no items itself (a chunk, or an item of one run again alone)."""
+    def _task_parts(
+        self, fut: Future[Result], group: list[Any], context: dict[str, Any] | None, pace: _Pace, tally: bool,
+    ) -> Iterator[MapPart]:
+        """The outcome of one task of map() as MapParts (one; or one per item when a chunk that
+        killed workers runs again item by item). `tally`: the task counts no items itself (a
+        chunk, or an item of one run again alone)."""
         try:
             res = fut.result()
         except (E.PoisonTask, E.WorkerCrashed) as exc:
@@ -126,29 +148,60 @@ class MapMixin:
                     futs = [self.submit(x, context=context, _units=0) for x in group]
                     for f, x in zip(futs, group, strict=True):
                         seen += 1  # its outcome is counted by the call below
-                        yield from self._outcomes(f, [x], return_exceptions, context, pace, True)
+                        yield from self._task_parts(f, [x], context, pace, True)
                 finally:
                     for f in futs[seen:]:
                         f.cancel()
                     self._tally(cancelled=len(group) - seen)
                 return
-            yield from self._failed(exc, 1, return_exceptions, tally)
+            if tally:
+                self._tally(failed=1)
+            yield MapPart(1, None, exc)
             return
         except Exception as exc:  # noqa: BLE001 - every item of the task ends with it (raised there)
-            yield from self._failed(exc, len(group), return_exceptions, tally)
+            if tally:
+                self._tally(failed=len(group))
+            yield MapPart(len(group), None, exc)
             return
         pace.observe(res.timings.run, len(group))
         if type(res.outputs) is not Chunk:
             if tally:
                 self._tally(completed=1)
+            yield MapPart(1, res, None)
+            return
+        bad = sum(type(out) is RemoteError for out in res.outputs)
+        self._tally(completed=len(res.outputs) - bad, failed=bad)
+        yield MapPart(len(res.outputs), res, None)
+
+    def _chunks_ok(self) -> bool:
+        """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
+        return self.chunked_map and self.config.task_timeout is None
+
+
+@dataclass(frozen=True, slots=True)
+class MapPart:
+    """The outcomes of `count` consecutive items of map(): one task's Result (its outputs a
+    Chunk of one outcome per item, or one item's outputs), or one error for all of them."""
+
+    count: int
+    result: Result | None
+    error: BaseException | None
+
+    def each(self, return_exceptions: bool) -> Iterator[Any]:
+        """Item by item, as map() yields them: a Result, or the item's error (raised unless
+        `return_exceptions`)."""
+        if self.error is not None:
+            if not return_exceptions:
+                raise self.error
+            for _ in range(self.count):
+                yield self.error
+            return
+        res = self.result
+        assert res is not None
+        if type(res.outputs) is not Chunk:
             yield res
             return
-        outs: list[Any] = res.outputs
-        bad = [i for i, out in enumerate(outs) if type(out) is RemoteError]
-        self._tally(completed=len(outs) - len(bad), failed=len(bad))
-        if bad and not return_exceptions:
-            outs = outs[: bad[0] + 1]  # raise at the first failed item's position
-        for out in outs:
+        for out in res.outputs:
             if type(out) is RemoteError:
                 err = E.from_remote(out, res.task_id)
                 if not return_exceptions:
@@ -158,21 +211,9 @@ class MapMixin:
                 yield Result(res.task_id, out, res.model_version, res.slot, res.pid, res.attempts, res.timings,
                              res.context)
 
-    def _failed(self, exc: BaseException, count: int, return_exceptions: bool, tally: bool) -> Iterator[Any]:
-        if tally:
-            self._tally(failed=count)
-        if not return_exceptions:
-            raise exc
-        for _ in range(count):
-            yield exc
 
-    def _chunks_ok(self) -> bool:
-        """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
-        return self.chunked_map and self.config.task_timeout is None
-
-
-CHUNK_TARGET_S = 0.005  # run time per chunk task that map() aims at: its overhead stays ~2%
-MAX_CHUNK = 256  # items per chunk task at most
+CHUNK_TARGET_S = 0.02  # run time per chunk task that map() aims at: its overhead (~0.3 ms) stays ~1%
+MAX_CHUNK = 1024  # items per chunk task at most
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # input bytes per chunk task at most (shared memory, queue_bytes)
 
 

@@ -4,12 +4,14 @@ files) when due."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 import numpy as np
 
 from slabpool.engine.caller.blocks import Piece
+from slabpool.engine.caller.mapping import MapPart
 from slabpool.engine.core.task import Result
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.parquet import Schema
@@ -17,6 +19,7 @@ from slabpool.engine.job.store import Failure, Store
 from slabpool.engine.job.store.files import Array
 from slabpool.engine.job.store.rows import RowError, check_rows, schema_of, to_rows
 from slabpool.workers import errors as E
+from slabpool.workers.protocol import Chunk, RemoteError
 
 MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
 
@@ -51,45 +54,97 @@ class Collector:
     def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
         """One item's outcome (a task of one item, or an item of a chunk)."""
         if isinstance(outcome, Result):
-            rows = self._fast_rows(outcome.outputs)
-            if rows is None:
-                try:
-                    rows = to_rows(outcome.outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
-                                   reserved=self.keep_names)  # numeric unless Parquet: checked there
-                    if self.schema is None:
-                        self.schema = schema_of(rows)
-                    check_rows(rows, self.schema)
-                except RowError as exc:
-                    return self._fail(index, exc, outcome.attempts, self._kept_one(kept))
-            if not self.item_indices:
-                self.item_cols = {k: [] for k in rows}
-                self.item_bytes = sum(getattr(v, "nbytes", 64) for v in rows.values())
-            self.item_indices.append(index)
-            for k, v in rows.items():
-                self.item_cols[k].append(v)
-            for k, values in self.item_keep.items():
-                values.append(kept.get(k) if kept else None)
-            self.done += 1
-            self.pending_rows += 1
-            self.pending_bytes += self.item_bytes
-            self.latencies.append(outcome.timings.total)
+            self._add_outputs(index, outcome.outputs, outcome.attempts, outcome.timings.total, kept)
         elif isinstance(outcome, ITEM_ERRORS):
             self._fail(index, outcome, len(getattr(outcome, "crashes", ())) or 1, self._kept_one(kept))
         else:  # the pool itself broke (or a bug): not an item's fault
             raise outcome
 
-    def _fast_rows(self, outputs: Any) -> dict[str, Array] | None:
-        """What to_rows + check_rows give, for the common case only (a dict of the first item's
-        names, numeric arrays of its dtypes and shapes); None: take the general path."""
+    def add_part(self, entries: list[tuple[int, dict[str, Any]]], part: MapPart) -> None:
+        """The outcomes of one task of map() (engine.caller.mapping.MapPart): `entries` holds
+        (index, kept values) of its items, in order. A chunk whose outputs came back stacked
+        (one block of rows per output, as the first item's) is kept as that block, with no
+        Python per item; otherwise item by item."""
+        res = part.result
+        if res is None or type(res.outputs) is not Chunk:
+            for (index, kept), outcome in zip(entries, part.each(return_exceptions=True), strict=True):
+                self.add(index, outcome, kept)
+            return
+        outs: Chunk = res.outputs
+        cols = self._stacked_rows(outs)
+        if cols is not None:
+            keep = {k: [kept.get(k) for _, kept in entries] for k in self.keep_names}
+            self._keep(np.fromiter((i for i, _ in entries), np.int64, len(entries)), cols, keep)
+            self.latencies.extend(itertools.repeat(res.timings.total, len(entries)))
+            return
+        for (index, kept), out in zip(entries, outs, strict=True):
+            if type(out) is RemoteError:
+                self.add(index, E.from_remote(out, res.task_id), kept)
+            else:
+                self._add_outputs(index, out, res.attempts, res.timings.total, kept)
+
+    def _stacked_rows(self, outs: Chunk) -> dict[str, Array] | None:
+        """A chunk's outputs as one block of rows per output, when they came back stacked with
+        one row per item, as the first item's (names, dtypes, shapes); else None."""
+        if outs.stacked is None or not self.strip_batch or self.schema is None:
+            return None
+        rows, arrays = outs.stacked
+        expect = self._expected()
+        if expect is None or len(expect) != len(arrays) or len(rows.counts) != len(outs):
+            return None
+        cols = dict(zip(rows.names, arrays, strict=True))
+        for name, dtype, shape in expect:
+            a = cols.get(name)
+            if a is None or a.dtype != dtype or a.shape != (len(outs), *shape[1:]):
+                return None  # (a shape of len(outs) rows means one row per item)
+        return cols
+
+    def _add_outputs(self, index: int, outputs: Any, attempts: int, latency: float,
+                     kept: dict[str, Any] | None) -> None:
+        rows = self._fast_rows(outputs)
+        if rows is None:
+            try:
+                rows = to_rows(outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
+                               reserved=self.keep_names)  # numeric unless Parquet: checked there
+                if self.schema is None:
+                    self.schema = schema_of(rows)
+                check_rows(rows, self.schema)
+            except RowError as exc:
+                return self._fail(index, exc, attempts, self._kept_one(kept))
+        if not self.item_indices:
+            self.item_cols = {k: [] for k in rows}
+            self.item_bytes = sum(getattr(v, "nbytes", 64) for v in rows.values())
+        self.item_indices.append(index)
+        for k, v in rows.items():
+            self.item_cols[k].append(v)
+        for k, values in self.item_keep.items():
+            values.append(kept.get(k) if kept else None)
+        self.done += 1
+        self.pending_rows += 1
+        self.pending_bytes += self.item_bytes
+        self.latencies.append(latency)
+        return None
+
+    def _expected(self) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]] | None:
+        """(name, dtype, shape with its batch axis) of each output of the schema, when every
+        one is numeric; None otherwise."""
         schema = self.schema
-        if schema is None or type(outputs) is not dict or len(outputs) != len(schema):
+        if schema is None:
             return None
         if self._expect is None or self._expect[0] is not schema:
             lead = (1,) if self.strip_batch else ()
             self._expect = (schema, [(k, np.dtype(d), (*lead, *sh)) for k, (d, sh) in schema.items()
                                      if d != job_parquet.PY])
         expect = self._expect[1]
-        if len(expect) != len(schema):
+        return expect if len(expect) == len(schema) else None
+
+    def _fast_rows(self, outputs: Any) -> dict[str, Array] | None:
+        """What to_rows + check_rows give, for the common case only (a dict of the first item's
+        names, numeric arrays of its dtypes and shapes); None: take the general path."""
+        if type(outputs) is not dict:
+            return None
+        expect = self._expected()
+        if expect is None or len(outputs) != len(expect):
             return None
         rows = {}
         for name, dtype, shape in expect:

@@ -6,6 +6,7 @@ of items). Both hand outcomes to the run's Collector and call `JobRun.tick` betw
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections import deque
@@ -18,7 +19,8 @@ from slabpool.engine.core.task import Result
 from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job.collector import ITEM_ERRORS
 from slabpool.engine.job.progress import Interrupts
-from slabpool.engine.job.sources import RowReader, Source
+from slabpool.engine.job.sources import Block, RowReader, Source
+from slabpool.engine.job.sources.base import READ_ROWS
 from slabpool.engine.job.store.rows import RowError
 
 if TYPE_CHECKING:
@@ -27,17 +29,28 @@ if TYPE_CHECKING:
 Todo = Iterator[tuple[int, Callable[[], Any], dict[str, Any]]]  # (index, read the item, kept values)
 
 
-def pending_items(source: Source, todo: list[tuple[int, int]]) -> Todo:
-    """The source's items whose index lies in `todo` (sorted, disjoint runs), in order."""
+def pending_blocks(source: Source, todo: list[tuple[int, int]]) -> Iterator[tuple[Block, int, int]]:
+    """Each block of the source holding items of `todo` (sorted, disjoint runs), with the span
+    [j0, j1) of its items that lie in one run; in order."""
     runs = iter(todo)
     run = next(runs, None)
-    for entry in source.items():
-        while run is not None and entry[0] >= run[1]:
+    for b in source.blocks(READ_ROWS):
+        lo, hi = b.start, b.start + b.size
+        while run is not None and run[0] < hi:
+            if run[1] > lo:
+                yield b, max(run[0], lo) - lo, min(run[1], hi) - lo
+            if run[1] > hi:
+                break  # the run goes on in the next block
             run = next(runs, None)
         if run is None:
             return
-        if entry[0] >= run[0]:
-            yield entry
+
+
+def pending_items(source: Source, todo: list[tuple[int, int]]) -> Todo:
+    """The source's items whose index lies in `todo` (sorted, disjoint runs), in order."""
+    for b, j0, j1 in pending_blocks(source, todo):
+        for j in range(j0, j1):
+            yield b.start + j, functools.partial(b.item, j), b.kept(j)
 
 
 def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, int]], intr: Interrupts) -> None:
@@ -71,44 +84,63 @@ def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, in
 
 def by_items(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
     """Steps 2-4 item by item, as Engine.map sends them: tiny items many to a task (a
-    chunk), each item with its own outcome. With batched hooks a map item is a list of
-    items (one hook call); a list that fails is retried item by item, so a bad one fails alone."""
+    chunk), each item with its own outcome, settled a task at a time (a chunk's outputs
+    whole: engine.caller.mapping.MapPart). An item that cannot be read, or that the model's
+    contract refuses at the door, fails alone before it is sent."""
+    if run.batched:
+        return by_groups(run, eng, source, todo, intr)
+    order: deque[tuple[int, dict[str, Any]]] = deque()  # (index, kept values) of each item sent
+    col = run.collector
+    admit = run.spec.preprocess is None
+
+    def each() -> Iterator[Any]:
+        for b, j0, j1 in pending_blocks(source, todo):
+            values = b.items if b.load is None and not admit else None  # as they are: nothing to read
+            for j in range(j0, j1):
+                if intr.count:
+                    return
+                if values is not None:
+                    item = values[j]
+                else:
+                    try:
+                        item = b.item(j)
+                        if admit:
+                            eng._admit(item)  # refused at the door: this item alone fails
+                    except ITEM_ERRORS as exc:
+                        col.add(b.start + j, exc, b.kept(j))
+                        continue
+                order.append((b.start + j, b.kept(j)))
+                yield item
+
+    parts = eng._map_parts(each(), contain=True)
+    try:
+        while (part := intr.wait(parts)) is not None:
+            col.add_part([order.popleft() for _ in range(part.count)], part)
+            run.tick(eng, intr)
+    finally:
+        parts.close()
+
+
+def by_groups(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+    """by_items with batched hooks: a map item is a list of items (one hook call); a list that
+    fails is retried item by item, so a bad one fails alone."""
     order: deque[list[tuple[int, Callable[[], Any], dict[str, Any]]]] = deque()
     col = run.collector
     pending = pending_items(source, todo)
 
-    def each() -> Iterator[Any]:  # one item per map item: no groups to build
-        admit = run.spec.preprocess is None
-        for entry in pending:
-            if intr.count:
-                return
-            try:
-                item = entry[1]()
-                if admit:
-                    eng._admit(item)  # refused at the door: this item alone fails
-            except ITEM_ERRORS as exc:
-                col.add(entry[0], exc, entry[2])
-                continue
-            order.append([entry])
-            yield item
-
-    def items() -> Iterator[Any]:
+    def groups() -> Iterator[Any]:
         while not intr.count and (group := list(itertools.islice(pending, run.chunk))):
             got = []
             for entry in group:
                 try:
-                    item = entry[1]()
-                    if run.spec.preprocess is None and not run.batched:
-                        eng._admit(item)  # refused at the door: this item alone fails
+                    got.append((entry, entry[1]()))
                 except ITEM_ERRORS as exc:
                     col.add(entry[0], exc, entry[2])
-                    continue
-                got.append((entry, item))
             if got:
                 order.append([e for e, _ in got])
-                yield [it for _, it in got] if run.batched else got[0][1]
+                yield [it for _, it in got]
 
-    outcomes = eng.map(items() if run.batched else each(), return_exceptions=True)
+    outcomes = eng.map(groups(), return_exceptions=True)
     try:
         while (outcome := intr.wait(outcomes)) is not None:
             settle(run, eng, order.popleft(), outcome)
