@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from slabpool.engine.job import parquet as job_parquet
-from slabpool.engine.job.sources import open_source
+from slabpool.engine.job.sources import JobError, open_source
 from slabpool.engine.job.sources.tables import column_array
 from slabpool.engine.job.store import Failure, Store
 from tests.models.onnx_models import mlp_reference
@@ -266,6 +266,46 @@ def test_a_few_bad_items_are_listed_not_stopped(tmp_path: Path, models: SimpleNa
     assert p.returncode == 2, p.stderr
 
 
+def test_jsonl_lines_are_parsed_in_the_workers_and_a_bad_line_fails_alone(tmp_path: Path,
+                                                                           models: SimpleNamespace) -> None:
+    """3000 lines, many to a task: a line that is not JSON and an item the hook refuses each fail
+    alone, with their line numbers kept; every other row is the model's output for its line."""
+    x = rows(3000)
+    text = []
+    for i, r in enumerate(x):
+        if i % 997 == 5:
+            text.append("{not json")
+        elif i % 1009 == 7:
+            text.append(json.dumps({"i": i, "x": r.tolist(), "bad": 1}))
+        else:
+            text.append(json.dumps({"i": i, "x": r.tolist()}))
+        if i % 500 == 0:
+            text.append("   ")  # blank lines are not items, but count as lines
+    (tmp_path / "in.jsonl").write_text("\n".join(text) + "\n")
+    out = tmp_path / "o.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "in.jsonl", "-o", out, "--workers", 2, "--keep", "line",
+                 "--preprocess", "tests.cli_hooks:feeds")
+    assert p.returncode == 2, p.stderr
+    t = pq.read_table(out).to_pylist()
+    assert len(t) == 3000
+    bad_json = {i for i in range(3000) if i % 997 == 5}
+    bad_hook = {i for i in range(3000) if i % 1009 == 7} - bad_json
+    want = mlp_reference(x)["probs"]
+    line = 0
+    for i, row in enumerate(t):
+        line += 1 + (i > 0 and (i - 1) % 500 == 0)  # the blank line written after item i - 1
+        assert row["line"] == line
+        if i in bad_json:
+            assert row["probs"] is None and "not JSON" in row["error"]
+        elif i in bad_hook:
+            assert row["probs"] is None and "marked bad" in row["error"]
+        else:
+            assert row["error"] is None
+            np.testing.assert_allclose(row["probs"], want[i], rtol=1e-5, atol=1e-6)
+    failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
+    assert {f["index"] for f in failures} == bad_json | bad_hook
+
+
 # -- Parquet output: strings, refusals, store order -----------------------------------------------------
 
 
@@ -332,9 +372,46 @@ def test_parquet_store_assembles_input_order_across_runs(tmp_path: Path) -> None
         reopened.close()
 
 
-def test_lines_source_keeps_line_numbers(tmp_path: Path) -> None:
-    (tmp_path / "a.jsonl").write_text('{"v": 1}\n\n{"v": 2}\n')
+def test_lines_source_keeps_line_numbers_and_parses_json_where_it_is_decoded(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"v": 1}\n\n{"v": 2}\r\n  \n{"s": "a\u2028b"}')
     src = open_source(tmp_path / "a.jsonl", hook=True)
     src.choose_keep(["line"])
-    got = [(i, get(), kept) for i, get, kept in src.items()]
-    assert got == [(0, {"v": 1}, {"line": 1}), (1, {"v": 2}, {"line": 3})]
+    assert src.count == 3
+    got = [(i, get(), kept) for i, get, kept in src.items()]  # lines travel as text
+    assert got == [(0, '{"v": 1}', {"line": 1}), (1, '{"v": 2}', {"line": 3}),
+                   (2, '{"s": "a\u2028b"}', {"line": 5})]
+    assert src.decode is not None
+    assert [src.decode(text) for _, text, _ in got] == [{"v": 1}, {"v": 2}, {"s": "a\u2028b"}]
+    with pytest.raises(ValueError, match="not JSON"):
+        src.decode("{oops")
+    text = open_source(tmp_path / "a.jsonl", hook=True, text=True)
+    assert text.decode is None and [get() for _, get, _ in text.items()][1] == '{"v": 2}'
+
+
+def test_lines_source_that_is_not_utf8_is_refused_up_front(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_bytes(b'{"v": 1}\n\xff\xfe\n')
+    with pytest.raises(JobError, match="cannot read input"):
+        open_source(tmp_path / "a.jsonl", hook=True)
+
+
+@pytest.mark.parametrize("read_chars", [1, 3, 64, 1 << 22])
+def test_lines_are_read_in_pieces_like_a_text_file_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              read_chars: int) -> None:
+    """Lines cut by the end of a read, \\r\\n cut in two, blank lines, no final newline: each
+    non-blank line once, with its number, as reading the whole file with universal newlines."""
+    from slabpool.engine.job.sources import lines
+
+    monkeypatch.setattr(lines, "READ_CHARS", read_chars)
+    rng = np.random.default_rng(read_chars)
+    for trial in range(40):
+        pieces = [str(rng.choice(["", " ", "\t", "a", "héllo", '{"x": 1}', "x" * int(rng.integers(0, 30))]))
+                  + str(rng.choice(["\n", "\r\n", "\r", "\n\n"])) for _ in range(int(rng.integers(0, 30)))]
+        text = "".join(pieces)[: None if trial % 2 else -1]
+        path = tmp_path / f"{trial}.txt"
+        path.write_bytes(text.encode())
+        src = open_source(path, hook=True)
+        src.choose_keep(["line"])
+        got = [(i, get(), kept["line"]) for i, get, kept in src.items()]
+        whole = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        want = [(n, ln) for n, ln in enumerate(whole, 1) if ln.strip()]
+        assert got == [(i, ln, n) for i, (n, ln) in enumerate(want)] and src.count == len(want), repr(text)

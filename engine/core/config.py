@@ -113,7 +113,7 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     if kw.get("admission", "block") not in ("block", "reject", "drop_oldest"):
         raise ValueError(f"admission must be 'block', 'reject' or 'drop_oldest', got {kw['admission']!r}")
     for name in ("preprocess", "postprocess", "initializer"):
-        kw[name] = _importable(name, kw.get(name))
+        kw[name] = importable(name, kw.get(name))
     # deep enough that a busy engine can send tasks to a worker in groups (engine.admission)
     kw["queue_capacity"] = kw.get("queue_capacity") or 16 * workers
     for name in ("queue_capacity", "max_attempts", "threads_per_worker", "max_batch_size", "inflight_per_slot"):
@@ -175,7 +175,7 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _importable(name: str, fn: Any) -> Callable[..., Any] | None:
+def importable(name: str, fn: Any) -> Callable[..., Any] | None:
     """Workers import hooks by reference: a module-level callable, or 'module:function'."""
     if fn is None:
         return None

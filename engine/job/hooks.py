@@ -7,16 +7,20 @@ one result per item. A hook opts in with `fn.batched = True`, or every hook with
 When only one of the two hooks is batched, the other is wrapped here so that the task is still
 a list: `each_pre`/`each_item` call a per-item preprocess on every item (and stack the feeds),
 `each_post` calls a per-item postprocess on every item's rows, `stack_feeds` stands for a
-missing preprocess. Workers import these by reference (functools.partial pickles them).
+missing preprocess. `decoded*` give hooks the item decoded where it travels encoded (a JSONL
+line, parsed in the worker). Workers import these by reference (functools.partial pickles them).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from slabpool.engine.core.config import importable
 
 
 def hook_batched(name: str | None) -> bool:
@@ -32,10 +36,42 @@ def hook_batched(name: str | None) -> bool:
     return bool(getattr(fn, "batched", False))
 
 
-def resolve(name: str) -> Callable[..., Any]:
-    mod, _, attr = name.partition(":")
-    fn: Callable[..., Any] = getattr(importlib.import_module(mod), attr)
+def resolve(option: str, name: str) -> Callable[..., Any]:
+    """The hook `module:function` (from the current folder too), as the engine resolves it."""
+    fn = importable(option, name)
+    assert fn is not None
     return fn
+
+
+def json_line(line: str) -> Any:
+    """A JSONL item as the hook gets it (a `decode`: runs in the workers)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the line is not JSON: {exc}") from None
+
+
+def decoded(decode: Callable[[Any], Any], fn: Callable[[Any], Any], item: Any) -> Any:
+    """A preprocess that gets the item decoded (a JSONL line parsed) in the worker."""
+    return fn(decode(item))
+
+
+def decoded_each(decode: Callable[[Any], Any], fn: Callable[[Any], Any], items: Sequence[Any]) -> Any:
+    """A batched preprocess that gets its list of items decoded."""
+    return fn([decode(it) for it in items])
+
+
+def decoded_post(decode: Callable[[Any], Any], fn: Callable[[Any, Any], Any], outputs: Any, item: Any) -> Any:
+    """A postprocess that gets the item decoded, as the preprocess did (decoded again: the
+    worker keeps the item as it travelled)."""
+    return fn(outputs, decode(item))
+
+
+def decoded_post_each(
+    decode: Callable[[Any], Any], fn: Callable[[Any, Any], Any], outputs: Any, items: Sequence[Any],
+) -> Any:
+    """A batched postprocess that gets its list of items decoded."""
+    return fn(outputs, [decode(it) for it in items])
 
 
 def stack_feeds(items: Sequence[Any]) -> Any:

@@ -40,6 +40,7 @@ import json
 import resource
 import signal
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import numpy as np
@@ -137,7 +138,7 @@ class JobRun:
     def execute(self, source: Source, todo: list[tuple[int, int]]) -> None:
         intr = self.intr
         self.todo = sum(b - a for a, b in todo)
-        eng = self._start(blocks_possible=source.blockable and not self.batched)
+        eng = self._start(blocks_possible=source.blockable and not self.batched, decode=source.decode)
         reader: RowReader | None = None
         try:
             self.describe = eng.describe()
@@ -214,7 +215,7 @@ class JobRun:
         return (source.blockable and s.model is not None and s.preprocess is None and s.postprocess is None
                 and not self.batched and bool(d and d.batchable) and numeric)
 
-    def _start(self, *, blocks_possible: bool) -> Any:
+    def _start(self, *, blocks_possible: bool, decode: Callable[[Any], Any] | None) -> Any:
         from slabpool.engine.core.config import usable_cpus
         from slabpool.engine.local.pool import Engine
 
@@ -223,7 +224,7 @@ class JobRun:
         # a block is one model call of --batch-size rows; items (chunks) stack up to --batch-size;
         # a batched hook's list is one model call already
         stack = 1 if blocks_possible or self.batched or s.batch_size is None else s.batch_size
-        pre, post = self._hooks()
+        pre, post = self._hooks(decode)
         try:
             return Engine(
                 str(s.model) if s.model else None, workers=self.workers, start_method=s.start_method,
@@ -235,22 +236,32 @@ class JobRun:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise JobError(f"{what}: {first}") from exc
 
-    def _hooks(self) -> tuple[Any, Any]:
-        """The engine's hooks: the names as given, or adapters so that a task's item is a list."""
+    def _hooks(self, decode: Callable[[Any], Any] | None) -> tuple[Any, Any]:
+        """The engine's hooks: the names as given, or adapters so that a task's item is a list,
+        or that the hooks get items decoded in the worker (`decode`: a JSONL line parsed)."""
         s = self.spec
+        pre: Any = s.preprocess
+        post: Any = s.postprocess
         if not self.batched:
-            return s.preprocess, s.postprocess
-        pre: Any = job_hooks.stack_feeds
-        if s.preprocess is not None:
-            fn = job_hooks.resolve(s.preprocess)
+            if decode is not None:
+                pre = pre and functools.partial(job_hooks.decoded, decode, job_hooks.resolve("preprocess", pre))
+                post = post and functools.partial(job_hooks.decoded_post, decode,
+                                                  job_hooks.resolve("postprocess", post))
+            return pre, post
+        if s.preprocess is None:
+            pre = job_hooks.stack_feeds
+        else:
+            fn = job_hooks.resolve("preprocess", s.preprocess)
             if s.batched or getattr(fn, "batched", False):
                 pre = fn
             else:
                 pre = functools.partial(job_hooks.each_pre if s.model else job_hooks.each_item, fn)
-        post: Any = None
         if s.postprocess is not None:
-            fn = job_hooks.resolve(s.postprocess)
+            fn = job_hooks.resolve("postprocess", s.postprocess)
             post = fn if s.batched or getattr(fn, "batched", False) else functools.partial(job_hooks.each_post, fn)
+        if decode is not None:
+            pre = functools.partial(job_hooks.decoded_each, decode, pre)
+            post = post and functools.partial(job_hooks.decoded_post_each, decode, post)
         return pre, post
 
     def tick(self, eng: Any, intr: Interrupts) -> None:

@@ -246,12 +246,18 @@ def _slot_stats(slot: Any) -> SlotStats:
 
 
 def _plain(skeleton: Any) -> bool:
-    """A dict of arrays with string keys: nothing in it that could fail to (un)pickle. A chunk
-    of dicts of arrays stacked (Rows) travels as it is: only its names are the caller's (and a
-    name that does not pickle is caught when the batch is sent, failing that task alone)."""
-    if type(skeleton) is Rows:
+    """A dict of arrays with string keys, a plain scalar, or a chunk of scalars: nothing in it
+    that could fail to (un)pickle. A chunk of dicts of arrays stacked (Rows) travels as it is:
+    only its names are the caller's (and a name that does not pickle is caught when the batch
+    is sent, failing that task alone)."""
+    if type(skeleton) is Rows or type(skeleton) in _SCALARS:
         return True
+    if type(skeleton) is Chunk:  # a chunk of lines or numbers (a job's JSONL, text)
+        return all(type(v) in _SCALARS for v in skeleton)
     return type(skeleton) is FlatSkeleton and all(type(k) is str for k in skeleton)
+
+
+_SCALARS = frozenset((str, bytes, int, float, bool, type(None)))  # always (un)pickle
 
 
 def _seal_items(chunk: Chunk) -> Chunk:

@@ -5,7 +5,7 @@
     in.npz                row i of every array            {name: a[i]}         -
     dir/ (no hook)        one .npy/.npz file              -                    path
     dir/ (with a hook)    any regular file, recursively   its path, a str      path
-    .jsonl/.json/.ndjson  a non-blank line, as JSON       the JSON value       line
+    .jsonl/.json/.ndjson  a non-blank line (JSON)         the JSON value       line
     any other file        a non-blank line, a str         the line             line
     -                     a stdin line (JSON, or raw)     the value            line
     .parquet/.csv/.arrow  a table row (pyarrow, batches)  {column: value}      any column
@@ -14,7 +14,8 @@ A source is read front to back in `Block`s of consecutive items. Without a hook 
 table block carries `rows` (each model input's rows on axis 0, a row block); otherwise it
 carries `items` (one value per item). `Block.item(j)` is what `Engine.submit` gets for one item
 (rows keep their batch axis: `x[j:j+1]`). A value that cannot be read (a bad file, a null
-cell) raises from `item(j)`, so that item alone fails.
+cell) raises from `item(j)`, so that item alone fails. A JSONL line travels as its text and is
+parsed in the workers, before the hook (`Source.decode`): a line that is not JSON fails alone.
 
 `base` holds what every source offers (`Source`, `Block`, and `RowReader` for row blocks);
 `arrays` (.npy, .npz, folders), `lines` (text, JSONL, stdin) and `tables` (Parquet, CSV,
@@ -38,11 +39,11 @@ TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".arrow", ".feather", ".ipc")
 
 def open_source(path: Path, *, hook: bool, text: bool = False) -> Source:
     """Open INPUT (`-` is stdin). `text`: lines are raw strings, not JSON (stdin, .jsonl)."""
-    if str(path) == "-":
-        return LinesSource(None, hook, as_json=not text, data=sys.stdin.buffer.read())
-    if not path.exists():
+    if str(path) != "-" and not path.exists():
         raise JobError(f"input not found: {path}")
     try:
+        if str(path) == "-":
+            return LinesSource(None, hook, as_json=not text, data=sys.stdin.buffer.read())
         if path.is_dir():
             return FileFolderSource(path, hook) if hook else ArrayFolderSource(path, hook)
         suffix = path.suffix.lower()

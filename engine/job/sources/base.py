@@ -97,6 +97,9 @@ class Source:
         # rows(lo, hi): rows [lo, hi) of arrays as one feed (views of a mapped file), for the
         # job's row blocks (engine/caller/blocks.py); None where items are not rows of arrays
         self.rows: Callable[[int, int], Any] | None = None
+        # decode(item): what the hook gets for an item as it travels (a JSONL line parsed), run
+        # in the workers before the hook; None: the item as it is
+        self.decode: Callable[[Any], Any] | None = None
 
     @property
     def label(self) -> str:
