@@ -30,6 +30,29 @@ def normalize(inputs: Any, specs: Sequence[TensorSpec]) -> dict[str, Any]:
     )
 
 
+def signature(inputs: dict[Any, Any]) -> tuple[Any, ...]:
+    """What the contract reads of a dict of inputs: names, exact types, dtypes and shapes. Two
+    dicts of one signature pass or fail the check alike, so a checked one need not be again."""
+    return tuple([(k, type(v), getattr(v, "dtype", None), getattr(v, "shape", None)) for k, v in inputs.items()])
+
+
+class Checked:
+    """Signatures of dicts of inputs that passed the check (at most `limit`: many distinct
+    shapes, a dynamic axis, start it over), each with what the checker kept of it."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._seen: dict[tuple[Any, ...], Any] = {}
+
+    def get(self, sig: tuple[Any, ...]) -> Any:
+        return self._seen.get(sig)
+
+    def add(self, sig: tuple[Any, ...], value: Any = True) -> None:
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen[sig] = value
+
+
 def check(feeds: Mapping[str, Any], specs: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
     """Raise InputContractError naming the input, what was expected and what was got."""
     expected = {s.name for s in specs}

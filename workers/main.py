@@ -216,9 +216,6 @@ class Worker:
             seed_task(t.seed)  # before preprocess, so a replay draws the same random numbers
         item = packing.unpack(t.item, self.inputs.array)
         faults.inject(t.fault, "preprocess")
-        return self._prepare_item(item)
-
-    def _prepare_item(self, item: Any) -> Any:
         return self.pipeline.prepare(item)  # preprocess, then the input contract
 
     def _run_chunk(self, t: TaskSpec) -> Chunk:
@@ -233,24 +230,39 @@ class Worker:
             outs: list[Any] = list(items)
         else:
             with self._fields(t, "preprocess"):
-                outs = [it if isinstance(it, RemoteError) else
-                        self._attempt("preprocess", functools.partial(self._prepare_item, it)) for it in items]
-        ok = [i for i, f in enumerate(outs) if not isinstance(f, RemoteError)]
+                outs = self._each("preprocess", self.pipeline.prepare, items)
+        ok = [i for i, f in enumerate(outs) if type(f) is not RemoteError]
         if self.session is not None and ok:
-            run, timeout = self.session.run, self.boot.task_timeout
             faults.inject(t.fault, "run")
             stack = self.boot.stack_chunks and len(ok) > 1  # opt-in, as dynamic batching: bits may move
             stacked = self._stack_items([outs[i] for i in ok]) if stack else None
-            for n, i in enumerate(ok):
-                outs[i] = stacked[n] if stacked is not None else self._attempt("run", functools.partial(run, outs[i], timeout))
+            if stacked is not None:
+                for n, i in enumerate(ok):
+                    outs[i] = stacked[n]
+            else:
+                timeout = self.boot.task_timeout
+                run = self.session.run if timeout is None else functools.partial(self.session.run, timeout=timeout)
+                outs = self._each("run", run, outs)
         if self.boot.postprocess is not None:
             faults.inject(t.fault, "postprocess")
             post = self.boot.postprocess
             with self._fields(t, "postprocess"):
-                for i in ok:
-                    if not isinstance(outs[i], RemoteError):
-                        outs[i] = self._attempt("postprocess", functools.partial(post, outs[i], items[i]))
+                outs = self._each("postprocess", post, outs, items)
         return Chunk(outs)
+
+    def _each(self, stage: str, fn: Callable[..., Any], values: list[Any], *more: list[Any]) -> list[Any]:
+        """fn(value, *more values at its place) for each value of a chunk, or that item's error
+        as its RemoteError; a value that is a RemoteError already stays as it is."""
+        out = []
+        for j, v in enumerate(values):
+            if type(v) is RemoteError:
+                out.append(v)
+                continue
+            try:
+                out.append(fn(v, *(m[j] for m in more)))
+            except Exception as exc:  # noqa: BLE001 - the item's own error: its outcome alone
+                out.append(self._failure(stage, exc))
+        return out
 
     def _stack_items(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
         """One session call for items of equal trailing shapes on a batchable model; None if
@@ -363,21 +375,21 @@ class Worker:
         finally:
             task_fields.reset(token)
 
-    @staticmethod
-    def _attempt(stage: str, thunk: Callable[[], Any]) -> Any:
+    @classmethod
+    def _attempt(cls, stage: str, thunk: Callable[[], Any]) -> Any:
         """thunk(), or its error as a RemoteError (logged)."""
         try:
             return thunk()
-        except InputContractError as exc:
-            err = remote_error(exc, "contract")
-        except TaskDataError as exc:
-            err = remote_error(exc, "data")
-        except RunTimeout as exc:
-            err = remote_error(exc, "timeout")
-        except DeadlinePassed as exc:
-            err = remote_error(exc, "deadline")
         except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-            err = remote_error(exc, "run")
+            return cls._failure(stage, exc)
+
+    @staticmethod
+    def _failure(stage: str, exc: Exception) -> RemoteError:
+        """An error of one task (or one item of a chunk) at `stage`, as a RemoteError (logged)."""
+        kind = ("contract" if isinstance(exc, InputContractError) else "data" if isinstance(exc, TaskDataError)
+                else "timeout" if isinstance(exc, RunTimeout) else "deadline" if isinstance(exc, DeadlinePassed)
+                else "run")
+        err = remote_error(exc, kind)
         log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
         return err
 

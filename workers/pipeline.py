@@ -65,6 +65,7 @@ class TaskPipeline:
         self.preprocess = preprocess
         self.postprocess = postprocess
         self.stage = ""
+        self._checked = contract.Checked()
 
     def prepare(self, item: Any) -> Any:
         """preprocess, then the input contract: the feeds for one session call."""
@@ -72,8 +73,13 @@ class TaskPipeline:
         if self.preprocess is not None:
             item = self.preprocess(item)
         if self.session is not None:
+            sig = contract.signature(item) if type(item) is dict else None
+            if sig is not None and self._checked.get(sig):
+                return dict(item)  # inputs like these passed already
             specs = self.session.info.inputs
             item = contract.check(contract.normalize(item, specs), specs)
+            if sig is not None:
+                self._checked.add(sig)
         return item
 
     def run(self, feeds: Any, timeout: float | None = None) -> Any:

@@ -201,24 +201,22 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         not checked again: the contract depends on nothing else."""
         if self.config.preprocess is not None or not self._specs:
             return inputs, ("item",), 1
-        if type(inputs) is dict:
-            sig = tuple([(k, type(v), getattr(v, "dtype", None), getattr(v, "shape", None)) for k, v in inputs.items()])
+        sig = contract.signature(inputs) if type(inputs) is dict else None
+        if sig is not None:
             known = self._admitted.get(sig)
             if known is not None:
                 return dict(inputs), known[0], known[1]
         feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
         key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
         items = next(iter(feeds.values())).shape[0] if self._batchable else 1
-        if type(inputs) is dict:
-            if len(self._admitted) >= 256:  # many distinct shapes (a dynamic axis): start over
-                self._admitted.clear()
-            self._admitted[sig] = (key, items)
+        if sig is not None:
+            self._admitted.add(sig, (key, items))
         return feeds, key, items
 
     def _set_specs(self, info: SessionInfo | None) -> None:
         self._specs = info.inputs if info else ()
         self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
-        self._admitted: dict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = {}
+        self._admitted = contract.Checked()  # signature -> (batch key, items)
         self.model_version = info.model_digest if info else ""
 
     def _seed(self, task_id: int) -> int:
