@@ -26,13 +26,9 @@ heavy users nor any runtime, so a worker importing `slabpool.workers` stays ligh
 from __future__ import annotations
 
 import importlib
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = metadata.version("slabpool")
-except metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
+__version__: str  # set by __getattr__ on first use
 
 if TYPE_CHECKING:
     from slabpool.engine.core.stats import EngineStats, ModelDescription, SlotStats
@@ -105,6 +101,15 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "__version__":  # looked up on first use: importlib.metadata costs every worker ~20 ms
+        global __version__
+        from importlib import metadata
+
+        try:
+            __version__ = metadata.version("slabpool")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            __version__ = "0+unknown"
+        return __version__
     raise AttributeError(f"module 'slabpool' has no attribute {name!r}")
 
 
