@@ -70,9 +70,10 @@ def test_npy_goes_by_blocks_byte_identical(tmp_path: Path, models: SimpleNamespa
     parts = Path(f"{out}.parts")
     report = json.loads((parts / "report.json").read_text())
     assert report["dispatch"] == "blocks" and report["batch_size"] == 1000
-    assert sum(s["tasks_done"] for s in report["slots"]) == 20  # one task per block of 1000 rows
+    tasks = sum(s["tasks_done"] for s in report["slots"])
+    assert 2 <= tasks <= 20  # session calls of 1000 rows, one or several a task
     entries = journal(parts)
-    assert len(entries) < 20  # the journal commits blocks (a shard holds whole blocks), not rows
+    assert len(entries) <= tasks  # the journal commits tasks (a shard holds whole ones), not rows
     for e in entries:
         for a, b in e["ranges"]:  # type: ignore[union-attr]
             assert a % 1000 == 0 and (b % 1000 == 0 or b == 20_000)

@@ -62,7 +62,7 @@ def test_parquet_goes_by_blocks_byte_identical_with_kept_ids(lists: str, tmp_pat
                  "--keep", "id")
     assert p.returncode == 0, p.stderr
     rep = report(Path(f"{out}.parts"))
-    assert rep["dispatch"] == "blocks" and sum(s["tasks_done"] for s in rep["slots"]) == n // size
+    assert rep["dispatch"] == "blocks" and 1 <= sum(s["tasks_done"] for s in rep["slots"]) <= n // size
     t = pq.read_table(out)
     assert t.column_names == ["id", "probs", "logits", "error"]
     assert t.column("id").to_pylist() == ids and t.column("error").null_count == n

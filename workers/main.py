@@ -33,7 +33,16 @@ from slabpool.shm.mapping import Mapping
 from slabpool.workers import context, faults, packing
 from slabpool.workers.errors import InputContractError, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
-from slabpool.workers.pipeline import IDLE, STACKED, TaskPipeline, remote_error, seed_task
+from slabpool.workers.pipeline import (
+    IDLE,
+    STACKED,
+    TaskPipeline,
+    in_steps,
+    remote_error,
+    rows_in,
+    seed_task,
+    spans,
+)
 from slabpool.workers.protocol import (
     BatchDone,
     Chunk,
@@ -301,19 +310,28 @@ class Worker:
         faults.inject(t.fault, "run")
         if placed is not None:
             try:
-                self.session.run_into(feeds, placed.dests, self.boot.task_timeout)
+                self._run_into(feeds, placed.dests, t.step)
                 return placed
             except RunTimeout:
                 raise
             except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
                 log.debug("in-place run of task %d failed; running it plainly", t.task_id)
-        out = self.session.run(feeds, self.boot.task_timeout)
+        out = self.pipeline.run(feeds, self.boot.task_timeout, t.step)
         if self.planner is not None:
             if placed is not None:
                 self.planner.forget(placed.key)  # the shapes vary with the data: never bind them
             else:
                 self.planner.learn(feeds, out)
         return out
+
+    def _run_into(self, feeds: dict[str, np.ndarray], dests: dict[str, np.ndarray], step: int) -> None:
+        """The runtime writes the outputs into `dests`, `step` rows a session call (a block)."""
+        assert self.session is not None
+        if len(spans(rows_in(feeds), step)) == 1:  # one call: its outputs need no row axis
+            return self.session.run_into(feeds, dests, self.boot.task_timeout)
+        for lo, hi, part, left in in_steps(feeds, step, self.boot.task_timeout):
+            self.session.run_into(part, {k: d[lo:hi] for k, d in dests.items()}, left)
+        return None
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
         self._hand(STACKED)

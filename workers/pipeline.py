@@ -15,8 +15,9 @@ tree (`errors.from_remote`).
 from __future__ import annotations
 
 import random
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,42 @@ def error_kind(exc: BaseException) -> str:
     return "run"
 
 
+def spans(rows: int, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each session call of a block of `rows` rows run `step` rows at a time (0:
+    the whole block at once). Byte for byte, what those blocks give run one after another."""
+    if not step or rows <= step:
+        return [(0, rows)]
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+
+def rows_in(feeds: dict[str, np.ndarray]) -> int:
+    return int(next(iter(feeds.values())).shape[0]) if feeds else 0
+
+
+def in_steps(
+    feeds: dict[str, np.ndarray], step: int, timeout: float | None,
+) -> Iterator[tuple[int, int, dict[str, np.ndarray], float | None]]:
+    """(lo, hi, rows [lo, hi) of every input, time left) for each session call of a block run
+    `step` rows at a time; `timeout` holds for the whole block (RunTimeout once it is spent)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for lo, hi in spans(rows_in(feeds), step):
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            raise RunTimeout(f"the block ran past {timeout} s (rows {lo} on not started)")
+        yield lo, hi, {k: v[lo:hi] for k, v in feeds.items()}, left
+
+
+def run_in_steps(
+    run: Callable[[dict[str, np.ndarray], float | None], dict[str, np.ndarray]],
+    feeds: dict[str, np.ndarray], step: int, timeout: float | None,
+) -> dict[str, np.ndarray]:
+    """run(feeds) in session calls of `step` rows (spans), the outputs concatenated on axis 0."""
+    if len(spans(rows_in(feeds), step)) == 1:
+        return run(feeds, timeout)
+    parts = [run(part, left) for _, _, part, left in in_steps(feeds, step, timeout)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 class TaskPipeline:
     """preprocess -> contract -> run -> postprocess for one item, in the worker that owns
     `session` (None: preprocess is the whole task). `stage` names the step last entered."""
@@ -82,21 +119,25 @@ class TaskPipeline:
                 self._checked.add(sig)
         return item
 
-    def run(self, feeds: Any, timeout: float | None = None) -> Any:
+    def run(self, feeds: Any, timeout: float | None = None, step: int = 0) -> Any:
         self.stage = "run"
-        return self.session.run(feeds, timeout) if self.session is not None else feeds
+        if self.session is None:
+            return feeds
+        return run_in_steps(self.session.run, feeds, step, timeout) if step else self.session.run(feeds, timeout)
 
     def finish(self, outputs: Any, item: Any) -> Any:
         self.stage = "postprocess"
         return self.postprocess(outputs, item) if self.postprocess is not None else outputs
 
-    def __call__(self, item: Any, timeout: float | None = None, fault: FaultSpec | None = None) -> Any:
-        """All four steps for one item; `fault` (tests) strikes at the stage it names."""
+    def __call__(self, item: Any, timeout: float | None = None, fault: FaultSpec | None = None,
+                 step: int = 0) -> Any:
+        """All four steps for one item (a block of rows: `step` rows a session call); `fault`
+        (tests) strikes at the stage it names."""
         faults.inject(fault, "preprocess")
         outputs = feeds = self.prepare(item)
         if self.session is not None:
             faults.inject(fault, "run")
-            outputs = self.run(feeds, timeout)
+            outputs = self.run(feeds, timeout, step)
         if self.postprocess is not None:
             faults.inject(fault, "postprocess")
             outputs = self.finish(outputs, item)

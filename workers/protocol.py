@@ -112,6 +112,7 @@ class TaskSpec:
     context: Sealed | dict[str, Any] | None = None  # sealed at submit(); a dict once opened
     fault: FaultSpec | None = None
     deadline: float | None = None  # time.monotonic() (one clock for the host): not started after
+    step: int = 0  # a block of rows: session calls of at most this many rows each (0: one call)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def encode(msg: Any) -> bytes:
     kind = type(msg)
     if kind is RunBatch:
         tasks = tuple(
-            (t.task_id, t.attempt, t.seed, *_flat_packed(t.item), t.context, t.fault, t.deadline)
+            (t.task_id, t.attempt, t.seed, *_flat_packed(t.item), t.context, t.fault, t.deadline, t.step)
             for t in msg.tasks
         )
         wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks)
@@ -292,7 +293,7 @@ def decode(data: bytes) -> Any:
     kind = wire[0]
     if kind == _RUN:
         _, batch_id, stack, off, nbytes, tasks = wire
-        specs = tuple(TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8]) for t in tasks)
+        specs = tuple(TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]) for t in tasks)
         return RunBatch(batch_id, specs, stack, off, nbytes)
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire

@@ -129,6 +129,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         block_timeout: float | None = None,
         _fault: FaultSpec | None = None,
         _units: int = 1,
+        _step: int = 0,
     ) -> Future[Result]:
         """Accept one task: its inputs are checked against the model (step 1) and handed over
         (step 2: copied into shared memory, or put into Ray's object store) before this returns.
@@ -138,7 +139,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
         if not _units:  # a block of rows (infer(batch_size=), the job): never stacked with others
             shape_key, items = ("block", items, shape_key), 0
-        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units)
+        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units, step=_step)
 
     def _check_accepting(self) -> None:
         if self._state is not EngineState.ACCEPTING:
@@ -146,9 +147,11 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     def _enqueue(
         self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
+        step: int = 0,
     ) -> Future[Result]:
-        """Step 2, the backend's: hand one checked task over and put it in the queue."""
+        """Step 2, the backend's: hand one checked task over and put it in the queue. `step`: a
+        block of rows runs that many rows a session call (0: one call)."""
         raise NotImplementedError
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
@@ -238,11 +241,12 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     def infer(self, inputs: Any, *, batch_size: int | str | None = None, **kw: Any) -> Any:
         """Submit and wait: the outputs (dict name -> array, or what postprocess returned).
 
-        Without `batch_size` the inputs are one task. With `batch_size=N` (or "auto": sized
-        from the measured run time per row, ~30 ms of work a block) the rows on axis 0 go as
-        blocks of N rows, one task each, on every worker, and the outputs come back
-        concatenated: byte-identical to running the same blocks one after the other in one
-        session (a block is never stacked with other work). A block that fails is cut down to
+        Without `batch_size` the inputs are one task. With `batch_size=N` (or "auto": calls of
+        ~2 ms, from the measured run time per row) the rows on axis 0 go as blocks of N rows, a
+        session call each, several blocks to a task (~30 ms of calls: the engine's cost per task
+        is paid once for them), on every worker, and the outputs come back concatenated:
+        byte-identical to running the same blocks one after the other in one session (a block
+        is never stacked with other work). A block that fails is cut down to
         the rows that fail alone; then RowsFailed carries their indices, each row's own error,
         and the outputs of the other rows (failed rows NaN, 0 for integer outputs).
 
@@ -265,8 +269,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         if n == 0:
             return self.submit(inputs, context=context, block_timeout=block_timeout).result().outputs  # type: ignore[no-any-return]
 
-        def submit(lo: int, hi: int) -> Future[Result]:
-            return self._submit_rows(blocks.slice_rows(arrays, lo, hi), context, block_timeout)
+        def submit(lo: int, hi: int, step: int) -> Future[Result]:
+            return self._submit_rows(blocks.slice_rows(arrays, lo, hi), context, block_timeout, step)
 
         self._tally(accepted=n)
         parts: list[blocks.Piece] = []
@@ -312,9 +316,11 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
                              "dynamic axis 0; rows of this model cannot go in blocks")
         self._admit(blocks.slice_rows(arrays, 0, 0))  # InputContractError here, not per block
 
-    def _submit_rows(self, block: Any, context: dict[str, Any] | None, block_timeout: float | None) -> Future[Result]:
-        """One block of rows as one task that counts no items (the caller counts the rows)."""
-        return self.submit(block, context=context, block_timeout=block_timeout, _units=0)
+    def _submit_rows(self, block: Any, context: dict[str, Any] | None, block_timeout: float | None,
+                     step: int = 0) -> Future[Result]:
+        """One block of rows as one task that counts no items (the caller counts the rows), run
+        `step` rows a session call (0: one call)."""
+        return self.submit(block, context=context, block_timeout=block_timeout, _units=0, _step=step)
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         raise NotImplementedError

@@ -2,19 +2,23 @@
 
     rows [lo, hi) of every input (an array, a dict of arrays, a memory-mapped .npy/.npz)
       -> one copy into the input arena, straight from the source (a slice is a view)
-      -> one session run in a worker (outputs written in place by the runtime when large)
-      -> one copy out of the output arena, per block
-    blocks come back in order; a block that fails is cut in two, again and again, down to the
+      -> session calls of `step` rows in a worker, one after another (outputs written in
+         place by the runtime when large)
+      -> one copy out of the output arena, per task
+    tasks come back in order; a task that fails is cut in two, again and again, down to the
     rows that fail alone (`bisect`), each with its own error
 
 Used by `Engine.infer(feeds, batch_size=...)` and by the batch job (`slabpool run` on
-.npy/.npz). The block size is the caller's, or "auto": a first block of PROBE_ROWS, then as
-many rows as run in about BLOCK_TARGET_S (the measured run time per row), bounded so that
-the blocks in flight take at most half of each arena.
+.npy/.npz and tables). The step (rows a session call) is the caller's batch size, or "auto":
+a first call of PROBE_ROWS, then calls of about STEP_TARGET_S. A task holds as many steps as
+run in about BLOCK_TARGET_S (the measured run time per row), bounded so that the tasks in
+flight take at most half of each arena: the engine's cost per task is paid once for many
+calls, and each call stays small enough for the caches (`BlockSizer`).
 
 A block task is never stacked with other tasks (it counts no items for dynamic batching), so
-its outputs are byte-identical to one session call on those rows. A worker killed by a block
-replays that block whole (the same rows: the engine's replay keeps the composition).
+its outputs are byte-identical to running its steps, one session call each, one after another.
+A worker killed by a task replays that task whole (the same rows: the engine's replay keeps
+the composition).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
 
 Array = npt.NDArray[Any]
-BLOCK_TARGET_S = 0.01  # run time per block aimed at: ~10 ms, the per-task cost ~1-2% of it (larger
-# blocks ran slower per row for an MLP 64->1024->10: its activations leave the caches)
-PROBE_ROWS = 256  # the first block when the size is "auto" (the run time per row is not known)
+BLOCK_TARGET_S = 0.03  # run time per task (a block of several session calls) aimed at
+STEP_TARGET_S = 0.002  # run time per session call aimed at when the size is "auto"
+PROBE_ROWS = 256  # the first call when the size is "auto" (the run time per row is not known)
 MAX_BLOCK_ROWS = 1 << 20
 
 # a block failing with one of these is cut in two: the failure may belong to some rows only
@@ -81,12 +85,21 @@ def row_bytes(arrays: dict[str, Array]) -> int:
 
 
 class BlockSizer:
-    """The next block's rows: fixed, or from the measured run time per row ("auto")."""
+    """How rows go: `step`, the rows of one session call, and `next()`, the rows of one task
+    (a whole number of steps, so that a task is those calls one after another).
+
+    A fixed size N is the step; "auto" probes one call of PROBE_ROWS, then takes calls of
+    about STEP_TARGET_S (small calls keep a model's activations in the caches: an MLP
+    64->1024->10 ran 1.85 us a row in calls of 1024 rows, 2.3 in 4096, 2.75 in 8192) and
+    fixes that step for the rest. A task holds as many steps as run in about BLOCK_TARGET_S
+    (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %), bounded so that
+    the tasks in flight take at most half of each arena."""
 
     def __init__(self, size: int | str | None, in_row_bytes: int, arena_bytes: int, in_flight: int) -> None:
         if size is not None and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {size!r}")
         self.fixed = size if isinstance(size, int) else None
+        self.step = self.fixed or 0  # 0: not chosen yet ("auto" while probing)
         self.per_row: float | None = None
         self.out_row_bytes = 0
         self.in_row_bytes = in_row_bytes
@@ -94,16 +107,19 @@ class BlockSizer:
 
     @property
     def probing(self) -> bool:
+        """"auto" before its first call has been timed: one task at a time."""
         return self.fixed is None and self.per_row is None
 
+    def _cap(self) -> int:
+        """Rows a task may hold: the tasks in flight fit in half of each arena."""
+        return max(1, min(MAX_BLOCK_ROWS, self.budget // max(self.in_row_bytes, self.out_row_bytes, 1)))
+
     def next(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
+        """Rows of the next task: a whole number of steps (at least one)."""
         if self.per_row is None:
-            return PROBE_ROWS
-        rows = int(BLOCK_TARGET_S / max(self.per_row, 1e-9))
-        widest = max(self.in_row_bytes, self.out_row_bytes, 1)
-        return max(1, min(rows, MAX_BLOCK_ROWS, self.budget // widest))
+            return self.step or min(PROBE_ROWS, self._cap())  # one call, timed
+        steps = int(BLOCK_TARGET_S / max(self.per_row * self.step, 1e-9))
+        return max(1, min(steps, self._cap() // self.step)) * self.step
 
     def observe(self, res: Result, rows: int) -> None:
         if rows <= 0:
@@ -112,6 +128,8 @@ class BlockSizer:
         self.per_row = per if self.per_row is None else 0.7 * self.per_row + 0.3 * per
         if isinstance(res.outputs, dict):
             self.out_row_bytes = sum(int(np.asarray(v).nbytes) for v in res.outputs.values()) // rows
+        if not self.step:  # "auto": the step, once, from the first call's time
+            self.step = max(1, min(int(STEP_TARGET_S / max(self.per_row, 1e-9)), self._cap()))
 
 
 @dataclass
@@ -124,19 +142,21 @@ class Piece:
     error: BaseException | None = None
 
 
-Submit = Callable[[int, int], "Future[Result]"]
+Submit = Callable[[int, int, int], "Future[Result]"]  # (lo, hi, step): rows [lo, hi) as one task
 
 
 def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSizer, window: int,
                stop: Callable[[], bool] | None = None) -> Generator[Piece, None, None]:
     """Pieces covering every run [lo, hi), in order, at most `window` blocks in flight.
 
-    `submit(lo, hi)` hands one block to the engine (or raises RowsUnreadable: those rows fail
-    with its error). A block that fails with a BISECT error is cut in two (both halves go to the head of the line: order holds), down to single rows; a
+    `submit(lo, hi, step)` hands one task to the engine, rows [lo, hi) run `step` rows a
+    session call (or raises RowsUnreadable: those rows fail with its error). A task that fails
+    with a BISECT error is cut in two, on a step's edge while it holds several (both halves go
+    to the head of the line: order holds), then within its one call, down to single rows; a
     row that still fails is a Piece with its error. An error of the engine itself (closed,
-    broken) propagates. Once `stop()` is true no new block starts (those in flight finish).
-    Abandoning the iterator cancels the blocks still queued."""
-    pending: deque[tuple[int, int, Future[Result]]] = deque()
+    broken) propagates. Once `stop()` is true no new task starts (those in flight finish).
+    Abandoning the iterator cancels the tasks still queued."""
+    pending: deque[tuple[int, int, int, Future[Result]]] = deque()
     cuts = _cut(runs, sizer)
     try:
         while True:
@@ -147,7 +167,7 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
                 pending.append((*block, _guarded(submit, *block)))
             if not pending:
                 return
-            lo, hi, fut = pending.popleft()
+            lo, hi, step, fut = pending.popleft()
             try:
                 res = fut.result()
             except RowsUnreadable as exc:
@@ -157,29 +177,31 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
                 if hi - lo == 1 or _whole(exc):
                     yield Piece(lo, hi, error=exc)
                     continue
-                mid = (lo + hi) // 2
-                pending.appendleft((mid, hi, _guarded(submit, mid, hi)))
-                pending.appendleft((lo, mid, _guarded(submit, lo, mid)))
+                calls = -(-(hi - lo) // step) if step else 1
+                mid, step = (lo + calls // 2 * step, step) if calls > 1 else ((lo + hi) // 2, 0)
+                pending.appendleft((mid, hi, step, _guarded(submit, mid, hi, step)))
+                pending.appendleft((lo, mid, step, _guarded(submit, lo, mid, step)))
                 continue
             sizer.observe(res, hi - lo)
             yield Piece(lo, hi, outputs=_block_outputs(res.outputs, hi - lo))
     finally:
-        for _, _, f in pending:
+        for *_, f in pending:
             f.cancel()
 
 
-def _cut(runs: Iterable[tuple[int, int]], sizer: BlockSizer) -> Iterator[tuple[int, int]]:
+def _cut(runs: Iterable[tuple[int, int]], sizer: BlockSizer) -> Iterator[tuple[int, int, int]]:
+    """(lo, hi, step) of each task; the step is read when the task is cut (fixed once chosen)."""
     for lo, hi in runs:
         while lo < hi:
             end = min(hi, lo + sizer.next())
-            yield lo, end
+            yield lo, end, sizer.step
             lo = end
 
 
-def _guarded(submit: Submit, lo: int, hi: int) -> Future[Result]:
-    """submit(lo, hi), or a Future holding the row error it raised at the door."""
+def _guarded(submit: Submit, lo: int, hi: int, step: int) -> Future[Result]:
+    """submit(lo, hi, step), or a Future holding the row error it raised at the door."""
     try:
-        return submit(lo, hi)
+        return submit(lo, hi, step)
     except (*BISECT, RowsUnreadable) as exc:
         fut: Future[Result] = Future()
         fut.set_exception(exc)

@@ -60,6 +60,7 @@ class Task:
     in_batch: Batch | None = None  # the batch that holds it in a slot (its lease stays till then)
     units: int = 1  # caller's items it counts for in stats() (0: a chunk or block, counted by the caller's side)
     wire_context: Any = None  # the context sealed at submit (protocol.Sealed), as sent to workers
+    step: int = 0  # a block of rows: at most this many rows a session call (0: one call)
 
     def move(self, new: TaskState) -> None:
         self.state.check(new)

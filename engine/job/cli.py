@@ -105,9 +105,9 @@ def build_parser() -> Parser:
     run.add_argument("-o", "--output", type=Path, help="a folder, or a single .npy/.npz/.parquet file")
     run.add_argument("--workers", type=_positive_int, help="worker processes (default: usable CPUs)")
     run.add_argument("--batch-size", type=_positive_int, default=None,
-                     help="rows of .npy/.npz per model call (a block; default: from the measured time per "
-                          "row, ~30 ms a block); for other inputs, items stacked into one model call (default 1); "
-                          "with --batched, items per hook call (default 64)")
+                     help="rows of .npy/.npz/tables per model call (default: calls of ~2 ms, from the measured "
+                          "time per row; a task holds ~30 ms of calls); for other inputs, items stacked into one "
+                          "model call (default 1); with --batched, items per hook call (default 64)")
     run.add_argument("--preprocess", metavar="MOD:FN", help="runs in the workers: item -> model feeds")
     run.add_argument("--postprocess", metavar="MOD:FN", help="runs in the workers: (outputs, item) -> row(s)")
     run.add_argument("--batched", action="store_true",

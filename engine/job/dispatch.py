@@ -59,8 +59,8 @@ def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, in
     window = 2 * run.workers
     sizer = BlockSizer(run.spec.batch_size or "auto", reader.row_bytes(), eng.config.shm_capacity, window)
 
-    def submit(lo: int, hi: int) -> Future[Result]:
-        return eng._submit_rows(reader.read(lo, hi), None, None)  # type: ignore[no-any-return]
+    def submit(lo: int, hi: int, step: int) -> Future[Result]:
+        return eng._submit_rows(reader.read(lo, hi), None, None, step)  # type: ignore[no-any-return]
 
     started = time.monotonic()
     pieces = run_blocks(submit, reader.runs(), sizer, window, stop=lambda: intr.count > 0)

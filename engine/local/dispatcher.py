@@ -90,7 +90,7 @@ class Dispatcher(SlotProcesses, TaskLedger):
             task.in_batch = batch
             fault = task.fault if self.cfg.fault_injection else None
             specs.append(TaskSpec(task.id, task.attempts, task.seed, task.packed, task.wire_context, fault,
-                                  task.deadline))
+                                  task.deadline, task.step))
         batch.tasks = [t for t in batch.tasks if t.state is TaskState.RUNNING]
         if not batch.tasks:
             return

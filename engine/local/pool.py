@@ -124,7 +124,8 @@ class Engine(BaseEngine):
 
     def _enqueue(
         self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
+        step: int = 0,
     ) -> TaskFuture:
         """Step 2: seal user data, lease input memory and copy the inputs in, then queue."""
         skeleton, arrays = packing.split(item)
@@ -161,7 +162,7 @@ class Engine(BaseEngine):
         def make(task_id: int) -> Task:
             return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
                         abs_deadline, fault, copy_in_s=copy_s, nbytes=nbytes, units=units,
-                        wire_context=wire_context)
+                        wire_context=wire_context, step=step)
 
         try:
             task = self._queue.accept(make)

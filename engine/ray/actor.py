@@ -68,12 +68,12 @@ class SlotActor:
                           self.session.info if self.session else None, self.error)
 
     def run(self, item: Any, task_id: int, attempt: int, seed: int,
-            ctx: dict[str, Any] | None, fault: FaultSpec | None) -> ActorDone:
+            ctx: dict[str, Any] | None, fault: FaultSpec | None, step: int = 0) -> ActorDone:
         t0 = time.perf_counter()
         with task_context.bind(ctx):
             try:
                 seed_task(seed)  # before preprocess, as in the local worker
-                out = self.pipeline(item, fault=fault)
+                out = self.pipeline(item, fault=fault, step=step)
             except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
                 log.info("task %d failed in %s: %s", task_id, self.pipeline.stage, type(exc).__name__)
                 return self._failed(task_id, attempt, remote_error(exc, error_kind(exc)), t0)

@@ -115,7 +115,8 @@ class RayEngine(BaseEngine):
 
     def _enqueue(
         self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int,
+        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
+        step: int = 0,
     ) -> TaskFuture:
         """Step 2: the inputs go into Ray's object store, then the task into the queue."""
         for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
@@ -132,7 +133,7 @@ class RayEngine(BaseEngine):
 
         def make(task_id: int) -> Task:
             return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, context, self._seed(task_id),
-                           abs_deadline, fault, copy_in_s=put_s, ref=ref, units=units)
+                           abs_deadline, fault, copy_in_s=put_s, ref=ref, units=units, step=step)
 
         task = self._queue.accept(make)
         fut.slabpool_task = task

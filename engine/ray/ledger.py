@@ -266,7 +266,7 @@ class _Ledger(OwnerThread, TaskLedger):
         task.attempts += 1
         task.dispatched_at = task.dispatched_at or now
         fault = task.fault if self.cfg.fault_injection else None
-        call = slot.actor.run.remote(task.ref, task.id, task.attempts, task.seed, task.context, fault)
+        call = slot.actor.run.remote(task.ref, task.id, task.attempts, task.seed, task.context, fault, task.step)
         slot.seq += 1
         flight = _Flight(task, task.attempts, slot.index, slot.seq, call)
         slot.flights.append(flight)
