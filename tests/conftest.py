@@ -67,6 +67,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         poison=onnx_models.poison(d / "poison.onnx"),
         slow=onnx_models.slow(d / "slow.onnx", k=16, dim=512),
         identity=onnx_models.identity(d / "identity.onnx", dim=4),
+        centered=onnx_models.batch_centered(d / "centered.onnx"),
         static=onnx_models.static_shape(d / "static.onnx"),
         int_model=onnx_models.int_model(d / "int.onnx"),
         payload=onnx_models.payload(d / "payload.onnx", elements=256 * 1024),

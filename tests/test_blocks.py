@@ -152,6 +152,48 @@ def test_rows_that_fail_in_the_runtime_fail_alone(models) -> None:  # type: igno
     assert st.items_accepted == n and st.items_failed == len(bad) and st.items_completed == n - len(bad)
 
 
+@pytest.mark.parametrize("size,in_place", [(1, None), (7, None), (100, 0), (100, None), (1000, 0)])
+def test_tasks_of_many_blocks_run_each_block_as_one_call(models, size, in_place) -> None:  # type: ignore[no-untyped-def]
+    """A model whose every output row depends on the rows it ran with (x - mean over axis 0):
+    equal bytes mean each block of `size` rows was one call, whatever the task holding it
+    (in place: a slice of the output region per call)."""
+    x = RNG.standard_normal((6001, 16)).astype(np.float32)
+    with Engine(models.centered, workers=2, in_place_min_bytes=in_place) as eng:
+        eng.infer(x[:3000], batch_size=size)  # the run time is known now: many blocks a task
+        before = eng.stats()
+        got = eng.infer(x, batch_size=size)
+        st = eng.stats()
+    _same(got, _serial(ort_run, models.centered, {"x": x}, size))
+    assert st.completed - before.completed < -(-6001 // size) or size == 1000
+    if in_place == 0:
+        assert st.outputs_in_place > before.outputs_in_place
+
+
+def test_a_task_of_many_blocks_is_cut_on_block_edges(models) -> None:  # type: ignore[no-untyped-def]
+    """One bad row fails its task, which is cut on block edges: every other block keeps its
+    rows (byte-identical outputs for a model whose rows depend on their block's other rows)."""
+    n, size, bad_row = 6000, 100, 4321
+    x = RNG.standard_normal((n, 16)).astype(np.float32)
+    bad = np.zeros(n, bool)
+    bad[bad_row] = True
+    with Engine(models.centered, workers=2, preprocess="tests.hooks:fail_rows") as eng:
+        eng.infer({"x": x[:4000], "bad": bad[:4000] & False}, batch_size=size)  # the run time is known now
+        before = eng.stats().completed
+        with pytest.raises(RowsFailed) as info:
+            eng.infer({"x": x, "bad": bad}, batch_size=size)
+        tasks = eng.stats().completed - before
+    err = info.value
+    assert err.rows == [bad_row] and isinstance(err.errors[bad_row], SessionRunError)
+    assert tasks < n // size  # several blocks a task
+    want = _serial(ort_run, models.centered, {"x": x}, size)["y"]
+    assert err.outputs is not None
+    got = err.outputs["y"]
+    own = np.zeros(n, bool)
+    own[bad_row // size * size : bad_row // size * size + size] = True  # its block, cut further
+    assert got[~own].tobytes() == want[~own].tobytes()
+    assert np.isnan(got[bad_row]).all() and not np.isnan(got[own & ~bad]).any()
+
+
 def test_a_row_that_kills_workers_fails_alone(models) -> None:  # type: ignore[no-untyped-def]
     n = 48
     x = RNG.standard_normal((n, 16)).astype(np.float32)

@@ -31,6 +31,7 @@ POISON_TABLE_ROWS = 10
 INT_OFFSET = np.array([1, 2, 3, 4], dtype=np.int32)
 
 __all__ = [
+    "batch_centered",
     "cnn",
     "cnn_reference",
     "convnet",
@@ -421,6 +422,19 @@ def identity(path: StrPath, dim: int = 1) -> Path:
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["y"])],
         "identity",
+        [_float("x", ["batch", dim])],
+        [_float("y", ["batch", dim])],
+    )
+    return _save(graph, path)
+
+
+def batch_centered(path: StrPath, dim: int = 16) -> Path:
+    """x[batch,dim] -> x - ReduceMean(x, axis 0) -> y: every row's output depends on the other
+    rows of its session call, so it tells which rows were run together (block composition)."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+         helper.make_node("Sub", ["x", "m"], ["y"])],
+        "batch_centered",
         [_float("x", ["batch", dim])],
         [_float("y", ["batch", dim])],
     )
