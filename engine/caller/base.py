@@ -273,7 +273,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
             return self._submit_rows(blocks.slice_rows(arrays, lo, hi), context, block_timeout, step)
 
         self._tally(accepted=n)
-        parts: list[blocks.Piece] = []
+        outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
         errors: dict[int, BaseException] = {}
         settled = 0
         try:
@@ -282,23 +282,27 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
                 if piece.error is not None:
                     errors.update((i, piece.error) for i in range(piece.lo, piece.hi))
                     self._tally(failed=piece.hi - piece.lo)
-                else:
-                    parts.append(piece)
-                    self._tally(completed=piece.hi - piece.lo)
+                    continue
+                assert piece.outputs is not None
+                if outputs is None:
+                    if piece.hi - piece.lo == n:
+                        outputs = piece.outputs  # one block: its arrays as they are
+                    else:  # copied in as blocks come back, while the workers run the next ones
+                        outputs = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in piece.outputs.items()}
+                if outputs is not piece.outputs:
+                    for k, v in piece.outputs.items():
+                        outputs[k][piece.lo : piece.hi] = v
+                self._tally(completed=piece.hi - piece.lo)
         finally:
             if settled < n:
                 self._tally(cancelled=n - settled)
         if not errors:
-            return _concat([p.outputs for p in parts if p.outputs is not None])
-        outputs = None
-        if parts:
-            assert parts[0].outputs is not None
-            outputs = blocks.blank_like(parts[0].outputs, n)
-            for p in parts:
-                assert p.outputs is not None
-                for k, v in p.outputs.items():
-                    outputs[k][p.lo : p.hi] = v
+            assert outputs is not None
+            return outputs
         rows = sorted(errors)
+        if outputs is not None:  # failed rows: NaN, 0 for integers
+            for v in outputs.values():
+                v[rows] = np.nan if v.dtype.kind in "fc" else 0
         first = errors[rows[0]]
         raise E.RowsFailed(
             f"{len(rows)} of {n} rows failed (first: row {rows[0]}, {type(first).__name__}: "
@@ -404,13 +408,6 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
             if self._state is EngineState.ACCEPTING:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
-
-
-def _concat(outputs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Blocks' outputs as one array per name (a single block's arrays as they are)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return {k: np.concatenate([o[k] for o in outputs]) for k in outputs[0]}
 
 
 class TaskFuture(Future[Result]):

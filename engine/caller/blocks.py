@@ -222,9 +222,3 @@ def _block_outputs(outputs: Any, rows: int) -> dict[str, Array]:
             raise E.EngineError(f"output {name!r} of a block of {rows} rows has shape {v.shape}: rows must "
                                 "lie on axis 0 (a model whose outputs have no batch axis cannot go by blocks)")
     return outputs
-
-
-def blank_like(outputs: dict[str, Array], rows: int) -> dict[str, Array]:
-    """Arrays of `rows` rows shaped like `outputs`' rows: NaN where the dtype has it, else 0."""
-    return {k: np.full((rows, *v.shape[1:]), np.nan if v.dtype.kind in "fc" else 0, dtype=v.dtype)
-            for k, v in outputs.items()}
