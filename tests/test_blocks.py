@@ -124,6 +124,9 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
     slow_fixed = BlockSizer(17, 4, 1 << 20, 4)
     slow_fixed.observe(R(1.7, 1700), 1700)  # 1 ms a row: one call a task, never less
     assert slow_fixed.next() == 17
+    timed = BlockSizer(17, 4, 1 << 20, 4, task_timeout=0.02)  # a task stays well inside its limit
+    timed.observe(R(0.0017, 1700), 1700)  # 1 us a row: 5 ms is 294 calls
+    assert timed.next() == 294 * 17
     for bad in (0, -1, 2.5, "big", True):
         with pytest.raises(ValueError, match="batch_size"):
             BlockSizer(bad, 4, 1 << 20, 4)  # type: ignore[arg-type]

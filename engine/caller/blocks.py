@@ -92,10 +92,12 @@ class BlockSizer:
     about STEP_TARGET_S (small calls keep a model's activations in the caches: an MLP
     64->1024->10 ran 1.85 us a row in calls of 1024 rows, 2.3 in 4096, 2.75 in 8192) and
     fixes that step for the rest. A task holds as many steps as run in about BLOCK_TARGET_S
-    (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %), bounded so that
-    the tasks in flight take at most half of each arena."""
+    (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %; a quarter of
+    `task_timeout` at most, which holds for a whole task), bounded so that the tasks in flight
+    take at most half of each arena."""
 
-    def __init__(self, size: int | str | None, in_row_bytes: int, arena_bytes: int, in_flight: int) -> None:
+    def __init__(self, size: int | str | None, in_row_bytes: int, arena_bytes: int, in_flight: int,
+                 task_timeout: float | None = None) -> None:
         if size is not None and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {size!r}")
         self.fixed = size if isinstance(size, int) else None
@@ -104,6 +106,8 @@ class BlockSizer:
         self.out_row_bytes = 0
         self.in_row_bytes = in_row_bytes
         self.budget = max(arena_bytes // (2 * max(in_flight, 1)), 1)  # bytes per block per arena
+        # a task's run time aimed at: well inside a task_timeout, which holds for the whole task
+        self.target_s = BLOCK_TARGET_S if task_timeout is None else min(BLOCK_TARGET_S, task_timeout / 4)
 
     @property
     def probing(self) -> bool:
@@ -118,7 +122,7 @@ class BlockSizer:
         """Rows of the next task: a whole number of steps (at least one)."""
         if self.per_row is None:
             return self.step or min(PROBE_ROWS, self._cap())  # one call, timed
-        steps = int(BLOCK_TARGET_S / max(self.per_row * self.step, 1e-9))
+        steps = int(self.target_s / max(self.per_row * self.step, 1e-9))
         return max(1, min(steps, self._cap() // self.step)) * self.step
 
     def observe(self, res: Result, rows: int) -> None:

@@ -57,7 +57,8 @@ def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, in
     """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file, or
     from a table's spans read front to back (engine.job.sources.RowReader)."""
     window = 2 * run.workers
-    sizer = BlockSizer(run.spec.batch_size or "auto", reader.row_bytes(), eng.config.shm_capacity, window)
+    sizer = BlockSizer(run.spec.batch_size or "auto", reader.row_bytes(), eng.config.shm_capacity, window,
+                       eng.config.task_timeout)
 
     def submit(lo: int, hi: int, step: int) -> Future[Result]:
         return eng._submit_rows(reader.read(lo, hi), None, None, step)  # type: ignore[no-any-return]
