@@ -155,13 +155,17 @@ def unpack(
     *,
     copy: bool = False,
     readonly: bool = False,
+    items: bool = True,
 ) -> Any:
     """Rebuild the structure: views into the arena (or private copies when `copy`; for a
     Chunk, one copy of the region its arrays span and views into it: one allocation, not one
-    per array)."""
+    per array). `items=False`: a chunk of stacked rows is left as its rows (Chunk.stacked),
+    its items made only if asked for (`chunk_items`)."""
     if copy and type(packed.skeleton) in (Chunk, Rows) and packed.arrays:
         block = _copy_block(packed.arrays, array_at)
-        return _rows(packed.skeleton, block) if type(packed.skeleton) is Rows else _fill(packed.skeleton, block)
+        if type(packed.skeleton) is Rows:
+            return _rows(packed.skeleton, block, items)
+        return _fill(packed.skeleton, block)
     arrays = []
     for ref in packed.arrays:
         a = array_at(ref.offset, np.dtype(ref.dtype), ref.shape)
@@ -173,7 +177,7 @@ def unpack(
         arrays.append(a)
     sk = packed.skeleton
     if type(sk) is Rows:
-        return _rows(sk, arrays)
+        return _rows(sk, arrays, items)
     if type(sk) is FlatSkeleton:  # the common case: its holes are in order
         return dict(zip(sk, arrays, strict=True))
     if isinstance(sk, dict) and all(type(v) is Hole for v in sk.values()):
@@ -192,16 +196,30 @@ def _copy_block(
             for r, dt, end in zip(refs, dtypes, ends, strict=True)]
 
 
-def _rows(sk: Rows, arrays: list[np.ndarray]) -> Chunk:
-    """A stacked chunk's items again: item k a dict of views of its rows of every array."""
-    out, lo = Chunk(), 0
-    names = sk.names
+def _rows(sk: Rows, arrays: list[np.ndarray], items: bool = True) -> Chunk:
+    """A stacked chunk (its rows kept in `stacked`), with its items again unless not `items`:
+    item k a dict of views of its rows of every array."""
+    out = Chunk()
+    out.stacked = (sk, arrays)
+    return chunk_items(out) if items else out
+
+
+def chunk_items(chunk: Chunk) -> Chunk:
+    """The chunk's items (outcomes), one per item: a stacked chunk's made from its rows, once."""
+    if chunk.stacked is None or len(chunk) == len(chunk.stacked[0].counts):
+        return chunk
+    sk, arrays = chunk.stacked
+    lo, names = 0, sk.names
     for n in sk.counts:
         hi = lo + n
-        out.append({name: a[lo:hi] for name, a in zip(names, arrays, strict=True)})
+        chunk.append({name: a[lo:hi] for name, a in zip(names, arrays, strict=True)})
         lo = hi
-    out.stacked = (sk, arrays)
-    return out
+    return chunk
+
+
+def chunk_count(chunk: Chunk) -> int:
+    """How many items the chunk holds (made or not)."""
+    return len(chunk.stacked[0].counts) if chunk.stacked is not None else len(chunk)
 
 
 def _fill_item(node: Any, arrays: list[np.ndarray]) -> Any:

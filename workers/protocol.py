@@ -52,7 +52,9 @@ class Chunk(list):  # type: ignore[type-arg]
     RemoteError of that item alone).
 
     A chunk unpacked from stacked rows (see Rows) keeps them in `stacked`: (the Rows, its
-    arrays), every item's rows in one block, for a reader that takes the chunk whole."""
+    arrays), every item's rows in one block, for a reader that takes the chunk whole. Its
+    items may not be made yet (the supervisor leaves that to whoever asks: packing.chunk_items,
+    packing.chunk_count)."""
 
     stacked: tuple[Rows, list[Any]] | None = None
 

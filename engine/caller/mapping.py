@@ -19,6 +19,7 @@ import numpy as np
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
+from slabpool.workers import packing
 from slabpool.workers.protocol import Chunk, RemoteError
 
 
@@ -169,9 +170,10 @@ class MapMixin:
                 self._tally(completed=1)
             yield MapPart(1, res, None)
             return
-        bad = sum(type(out) is RemoteError for out in res.outputs)
-        self._tally(completed=len(res.outputs) - bad, failed=bad)
-        yield MapPart(len(res.outputs), res, None)
+        count = packing.chunk_count(res.outputs)  # (stacked: every item done)
+        bad = 0 if res.outputs.stacked is not None else sum(type(out) is RemoteError for out in res.outputs)
+        self._tally(completed=count - bad, failed=bad)
+        yield MapPart(count, res, None)
 
     def _chunks_ok(self) -> bool:
         """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
@@ -201,7 +203,7 @@ class MapPart:
         if type(res.outputs) is not Chunk:
             yield res
             return
-        for out in res.outputs:
+        for out in packing.chunk_items(res.outputs):
             if type(out) is RemoteError:
                 err = E.from_remote(out, res.task_id)
                 if not return_exceptions:

@@ -19,6 +19,7 @@ from slabpool.engine.job.store import Failure, Store
 from slabpool.engine.job.store.files import Array
 from slabpool.engine.job.store.rows import RowError, check_rows, schema_of, to_rows
 from slabpool.workers import errors as E
+from slabpool.workers import packing
 from slabpool.workers.protocol import Chunk, RemoteError
 
 MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also closes then
@@ -77,7 +78,7 @@ class Collector:
             self._keep(np.fromiter((i for i, _ in entries), np.int64, len(entries)), cols, keep)
             self.latencies.extend(itertools.repeat(res.timings.total, len(entries)))
             return
-        for (index, kept), out in zip(entries, outs, strict=True):
+        for (index, kept), out in zip(entries, packing.chunk_items(outs), strict=True):
             if type(out) is RemoteError:
                 self.add(index, E.from_remote(out, res.task_id), kept)
             else:
@@ -90,13 +91,14 @@ class Collector:
             return None
         rows, arrays = outs.stacked
         expect = self._expected()
-        if expect is None or len(expect) != len(arrays) or len(rows.counts) != len(outs):
+        if expect is None or len(expect) != len(arrays):
             return None
         cols = dict(zip(rows.names, arrays, strict=True))
+        count = len(rows.counts)
         for name, dtype, shape in expect:
             a = cols.get(name)
-            if a is None or a.dtype != dtype or a.shape != (len(outs), *shape[1:]):
-                return None  # (a shape of len(outs) rows means one row per item)
+            if a is None or a.dtype != dtype or a.shape != (count, *shape[1:]):
+                return None  # (a shape of `count` rows means one row per item)
         return cols
 
     def _add_outputs(self, index: int, outputs: Any, attempts: int, latency: float,

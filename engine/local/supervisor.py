@@ -202,7 +202,7 @@ class Supervisor(Dispatcher, OwnerThread):
                     self.finish(task, error=E.TaskDataError(f"task {task.id}: {exc}", task_id=task.id))
                     continue
             t0 = time.perf_counter()
-            outputs = packing.unpack(packed, self.outputs.array, copy=True)  # step 8
+            outputs = packing.unpack(packed, self.outputs.array, copy=True, items=False)  # step 8
             copy_s = time.perf_counter() - t0
             self.finish(task, result=self._result(task, slot, outputs, msg.run_s / len(batch.tasks), copy_s, now))
         if not split:  # (a split batch's sizes were learnt from its NeedOutput)
