@@ -43,7 +43,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
 - `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
   outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
-  contiguous blocks, one task each, cut down to rows when a block fails (`blocks`).
+  contiguous blocks, a session call each, several to a task, cut down to rows when a task
+  fails (`blocks`).
 - `engine.local`: `pool.Engine` and its `supervisor.Supervisor` (the owner thread: steps 3-4,
   8-9 and the crash path a-d), built on `dispatcher.Dispatcher` (steps 3-4, 9's leases) and
   `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
