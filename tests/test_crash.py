@@ -119,9 +119,13 @@ def test_hung_task_in_python_kills_its_slot_and_others_replay(models):
 
 
 def test_long_onnx_run_is_stopped_cleanly_without_killing_the_worker(models):
-    """ONNX Runtime's RunOptions.terminate stops the run; the slot survives."""
-    big = np.random.default_rng(0).standard_normal((4096, 512)).astype(np.float32)
-    with Engine(models.slow, workers=1, task_timeout=0.05) as eng:
+    """ONNX Runtime's RunOptions.terminate stops the run; the slot survives.
+
+    ORT sees the flag between nodes (~80 ms each here, 16 of them): the limit (0.3 s) leaves it
+    until the supervisor's kill at twice the limit, with room for a loaded machine; at 0.05 s
+    the two had raced."""
+    big = np.random.default_rng(0).standard_normal((8192, 512)).astype(np.float32)
+    with Engine(models.slow, workers=1, task_timeout=0.3) as eng:
         pid = eng.stats().slots[0].pid
         with pytest.raises(TaskTimeout, match="terminated"):
             eng.submit({"x": big}).result(timeout=60)
