@@ -40,6 +40,7 @@ from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
 from tests.models import onnx_models
+from tests.reference import ort_run
 
 INNER = os.environ.get("SLABPOOL_RAY_NETNS") == "1"
 REPO = Path(__file__).resolve().parent.parent
@@ -259,6 +260,23 @@ def test_results_equal(backend: str, models: SimpleNamespace) -> None:
     assert {r.model_version for r in results} == {desc.model_version} and desc.model_version
     assert all(r.pid > 0 and r.slot in (0, 1) and r.timings.total >= r.timings.run for r in results)
     assert (stats.accepted, stats.completed, stats.failed, stats.replayed) == (13, 13, 0, 0)
+
+
+def test_blocks_of_many_calls_equal_the_same_blocks_run_serially(backend: str, models: SimpleNamespace) -> None:
+    """infer(batch_size=) on either backend: tasks of several session calls of 50 rows each,
+    byte-identical to those blocks run one after another (a model whose every output row
+    depends on the rows it ran with)."""
+    if backend == DELEGATED:
+        return
+    x = np.random.default_rng(7).standard_normal((3001, 16)).astype(np.float32)
+    with build(backend, models.centered) as eng:
+        eng.infer(x[:1000], batch_size=50)  # the run time per row is known from here on
+        before = eng.stats().completed
+        got = eng.infer(x, batch_size=50)
+        tasks = eng.stats().completed - before
+    blocks = [ort_run(models.centered, {"x": x[lo : lo + 50]})["y"] for lo in range(0, 3001, 50)]
+    assert got["y"].tobytes() == np.concatenate(blocks).tobytes()
+    assert tasks < len(blocks)  # several blocks to a task
 
 
 def test_metrics_are_the_same_families(backend: str, models: SimpleNamespace) -> None:
