@@ -31,12 +31,14 @@ import numpy as np
 
 from slabpool.shm.mapping import Mapping
 from slabpool.workers import context, faults, packing
-from slabpool.workers.errors import InputContractError, TaskDataError
+from slabpool.workers.errors import TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
 from slabpool.workers.pipeline import (
     IDLE,
     STACKED,
+    DeadlinePassed,
     TaskPipeline,
+    error_kind,
     in_steps,
     remote_error,
     rows_in,
@@ -404,10 +406,7 @@ class Worker:
     @staticmethod
     def _failure(stage: str, exc: Exception) -> RemoteError:
         """An error of one task (or one item of a chunk) at `stage`, as a RemoteError (logged)."""
-        kind = ("contract" if isinstance(exc, InputContractError) else "data" if isinstance(exc, TaskDataError)
-                else "timeout" if isinstance(exc, RunTimeout) else "deadline" if isinstance(exc, DeadlinePassed)
-                else "run")
-        err = remote_error(exc, kind)
+        err = remote_error(exc, error_kind(exc))
         log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
         return err
 
@@ -525,10 +524,6 @@ class Worker:
                 self.pending.append(msg)
             elif msg.batch_id == batch_id and (msg.error or msg.nbytes >= nbytes):
                 return msg
-
-
-class DeadlinePassed(Exception):
-    """The task reached its deadline before it started (it waited in this worker's pipe)."""
 
 
 def _plain(item: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from slabpool.workers import contract, faults
-from slabpool.workers.errors import InputContractError
+from slabpool.workers.errors import InputContractError, TaskDataError
 from slabpool.workers.protocol import FaultSpec, RemoteError
 from slabpool.workers.session import ModelSession, RunTimeout
 
@@ -42,13 +42,22 @@ def remote_error(exc: BaseException, kind: Any) -> RemoteError:
     return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
 
 
+class DeadlinePassed(Exception):
+    """The task reached its deadline before it started (it waited in a worker's pipe)."""
+
+
 def error_kind(exc: BaseException) -> str:
-    """Whose fault, as the caller's side maps it: the input contract, the time limit, or the
-    run itself (the runtime, or the user's pre/postprocess)."""
+    """Whose fault, as the caller's side maps it: the input contract, data that does not
+    (un)pickle, the time limit, the queue deadline, or the run itself (the runtime, or the
+    user's pre/postprocess)."""
     if isinstance(exc, InputContractError):
         return "contract"
+    if isinstance(exc, TaskDataError):
+        return "data"
     if isinstance(exc, RunTimeout):
         return "timeout"
+    if isinstance(exc, DeadlinePassed):
+        return "deadline"
     return "run"
 
 
