@@ -9,6 +9,7 @@ tiny JSONL items go many to a task, a poison item inside a chunk failing alone.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -249,3 +250,24 @@ def test_items_that_do_not_fit_the_first_rows_fail_alone(tmp_path: Path) -> None
     good = [i for i in range(300) if i not in (7, 150)]
     np.testing.assert_array_equal(y[good], np.arange(3, dtype=np.float32) + np.array(good, np.float32)[:, None])
     assert np.isnan(y[[7, 150]]).all()
+
+
+def test_pending_blocks_cover_exactly_the_runs_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resume hands the job runs of items still to do: the spans of the source's blocks it
+    reads are those items, each once, in order, whatever the block and run boundaries."""
+    from slabpool.engine.job import dispatch
+    from slabpool.engine.job.sources import open_source
+
+    n = 103
+    (tmp_path / "in.txt").write_text("".join(f"line {i}\n" for i in range(n)))
+    rng = np.random.default_rng(5)
+    for read_rows in (1, 7, 50, 4096):
+        monkeypatch.setattr(dispatch, "READ_ROWS", read_rows)
+        for _ in range(30):
+            cuts = sorted(set(rng.integers(0, n + 1, int(rng.integers(0, 12))).tolist()) | {0, n})
+            todo = [(a, b) for a, b in itertools.pairwise(cuts) if b > a and rng.random() < 0.6]
+            src = open_source(tmp_path / "in.txt", hook=True)
+            got = [b.start + j for b, j0, j1 in dispatch.pending_blocks(src, todo) for j in range(j0, j1)]
+            assert got == [i for a, b in todo for i in range(a, b)], (read_rows, todo)
+            items = [get() for _, get, _ in dispatch.pending_items(src, todo)]
+            assert items == [f"line {i}" for a, b in todo for i in range(a, b)]
