@@ -104,3 +104,10 @@ def named_like_savez(outputs: dict[str, np.ndarray], item: Any) -> dict[str, np.
 def shaped(item: dict[str, Any]) -> np.ndarray:
     """No model: a row of item["n"] numbers of item.get("dtype", float32) (a misfit for some)."""
     return np.arange(item["n"], dtype=item.get("dtype", "float32")) + item["i"]
+
+
+def feeds_rows(item: Any) -> dict[str, np.ndarray]:
+    """A JSON item -> the mlp's feeds with item["rows"] rows (1 unless given): 0 or 2 rows is
+    not one item's worth."""
+    x = np.asarray(item["x"], dtype=np.float32)[None]
+    return {"x": np.repeat(x, int(item.get("rows", 1)), axis=0)}

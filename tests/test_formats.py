@@ -306,6 +306,25 @@ def test_jsonl_lines_are_parsed_in_the_workers_and_a_bad_line_fails_alone(tmp_pa
     assert {f["index"] for f in failures} == bad_json | bad_hook
 
 
+def test_an_item_of_two_rows_next_to_one_of_none_fails_alone(tmp_path: Path, models: SimpleNamespace) -> None:
+    """Outputs of a chunk that add up to one row per item, but not item by item (2 rows, then
+    0): both items fail, every other keeps its own row."""
+    x = rows(200)
+    items = [{"i": i, "x": r.tolist(), **({"rows": 2} if i == 50 else {"rows": 0} if i == 51 else {})}
+             for i, r in enumerate(x)]
+    out = tmp_path / "o.npy"
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 1,
+                 "--preprocess", "tests.cli_hooks:feeds_rows")
+    assert p.returncode == 2, p.stderr
+    failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
+    assert sorted(f["index"] for f in failures) == [50, 51]
+    got, want = np.load(out), mlp_reference(x)["probs"]
+    keep = np.ones(200, bool)
+    keep[[50, 51]] = False
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-5, atol=1e-6)
+    assert np.isnan(got[[50, 51]]).all()
+
+
 # -- Parquet output: strings, refusals, store order -----------------------------------------------------
 
 

@@ -93,12 +93,14 @@ class Collector:
         expect = self._expected()
         if expect is None or len(expect) != len(arrays):
             return None
-        cols = dict(zip(rows.names, arrays, strict=True))
         count = len(rows.counts)
+        if rows.counts.count(1) != count:
+            return None  # an item of 0 or 2 rows: each is checked (and refused) on its own
+        cols = dict(zip(rows.names, arrays, strict=True))
         for name, dtype, shape in expect:
             a = cols.get(name)
             if a is None or a.dtype != dtype or a.shape != (count, *shape[1:]):
-                return None  # (a shape of `count` rows means one row per item)
+                return None
         return cols
 
     def _add_outputs(self, index: int, outputs: Any, attempts: int, latency: float,
