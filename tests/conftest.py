@@ -68,6 +68,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         slow=onnx_models.slow(d / "slow.onnx", k=16, dim=512),
         identity=onnx_models.identity(d / "identity.onnx", dim=4),
         centered=onnx_models.batch_centered(d / "centered.onnx"),
+        centered_poison=onnx_models.batch_centered(d / "centered_poison.onnx", poison=True),
         static=onnx_models.static_shape(d / "static.onnx"),
         int_model=onnx_models.int_model(d / "int.onnx"),
         payload=onnx_models.payload(d / "payload.onnx", elements=256 * 1024),

@@ -101,3 +101,9 @@ def fail_rows(block: Any) -> Any:
     if bad.size:
         raise ValueError(f"{bad.size} bad row(s) in this block")
     return {"x": np.ascontiguousarray(block["x"])}
+
+
+def center_rows(block: Any) -> Any:
+    """A block of rows x -> x less its mean over the block's rows (a hook that looks across rows)."""
+    x = np.asarray(block)
+    return x - x.mean(axis=0)

@@ -124,6 +124,9 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
     slow_fixed = BlockSizer(17, 4, 1 << 20, 4)
     slow_fixed.observe(R(1.7, 1700), 1700)  # 1 ms a row: one call a task, never less
     assert slow_fixed.next() == 17
+    hooked = BlockSizer(17, 4, 1 << 20, 4, group=False)  # hooks see a task's rows: one block a task
+    hooked.observe(R(0.0017, 1700), 1700)
+    assert hooked.next() == 17
     timed = BlockSizer(17, 4, 1 << 20, 4, task_timeout=0.02)  # a task stays well inside its limit
     timed.observe(R(0.0017, 1700), 1700)  # 1 us a row: 5 ms is 294 calls
     assert timed.next() == 294 * 17
@@ -177,24 +180,38 @@ def test_a_task_of_many_blocks_is_cut_on_block_edges(models) -> None:  # type: i
     rows (byte-identical outputs for a model whose rows depend on their block's other rows)."""
     n, size, bad_row = 6000, 100, 4321
     x = RNG.standard_normal((n, 16)).astype(np.float32)
-    bad = np.zeros(n, bool)
-    bad[bad_row] = True
-    with Engine(models.centered, workers=2, preprocess="tests.hooks:fail_rows") as eng:
-        eng.infer({"x": x[:4000], "bad": bad[:4000] & False}, batch_size=size)  # the run time is known now
+    idx = RNG.integers(-10, 10, n).astype(np.int64)
+    feeds = {"idx": idx.copy(), "x": x}
+    feeds["idx"][bad_row] = 99  # outside the table: the call that holds it fails
+    with Engine(models.centered_poison, workers=2) as eng:
+        eng.infer({"idx": idx[:4000], "x": x[:4000]}, batch_size=size)  # the run time is known now
         before = eng.stats().completed
         with pytest.raises(RowsFailed) as info:
-            eng.infer({"x": x, "bad": bad}, batch_size=size)
+            eng.infer(feeds, batch_size=size)
         tasks = eng.stats().completed - before
     err = info.value
     assert err.rows == [bad_row] and isinstance(err.errors[bad_row], SessionRunError)
     assert tasks < n // size  # several blocks a task
-    want = _serial(ort_run, models.centered, {"x": x}, size)["y"]
+    want = _serial(ort_run, models.centered_poison, {"idx": idx, "x": x}, size)["y"]
     assert err.outputs is not None
     got = err.outputs["y"]
     own = np.zeros(n, bool)
     own[bad_row // size * size : bad_row // size * size + size] = True  # its block, cut further
     assert got[~own].tobytes() == want[~own].tobytes()
-    assert np.isnan(got[bad_row]).all() and not np.isnan(got[own & ~bad]).any()
+    assert np.isnan(got[bad_row]).all() and not np.isnan(np.delete(got[own], bad_row % size, axis=0)).any()
+
+
+def test_with_a_hook_a_task_is_one_block(models) -> None:  # type: ignore[no-untyped-def]
+    """A preprocess sees a task's rows at once: tasks stay single blocks, so a hook that looks
+    across rows (here: centring them) gives what it gives on those blocks run serially."""
+    x = RNG.standard_normal((3000, 4)).astype(np.float32)
+    with Engine(models.identity, workers=2, preprocess="tests.hooks:center_rows") as eng:
+        eng.infer(x[:1000], batch_size=50)
+        before = eng.stats().completed
+        got = eng.infer(x, batch_size=50)
+        tasks = eng.stats().completed - before
+    want = np.concatenate([x[lo : lo + 50] - x[lo : lo + 50].mean(axis=0) for lo in range(0, 3000, 50)])
+    assert tasks == 60 and got["y"].tobytes() == want.astype(np.float32).tobytes()
 
 
 def test_a_row_that_kills_workers_fails_alone(models) -> None:  # type: ignore[no-untyped-def]

@@ -265,8 +265,9 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         arrays, n = blocks.rows_of(inputs)
         self._check_blockable(arrays)
         window = self.config.workers * max(self.config.inflight_per_slot, 2)
+        hooks = self.config.preprocess is not None or self.config.postprocess is not None
         sizer = blocks.BlockSizer(batch_size, blocks.row_bytes(arrays), self.config.shm_capacity, window,
-                                  self.config.task_timeout)
+                                  self.config.task_timeout, group=not hooks)
         if n == 0:
             return self.submit(inputs, context=context, block_timeout=block_timeout).result().outputs  # type: ignore[no-any-return]
 

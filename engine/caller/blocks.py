@@ -94,10 +94,11 @@ class BlockSizer:
     fixes that step for the rest. A task holds as many steps as run in about BLOCK_TARGET_S
     (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %; a quarter of
     `task_timeout` at most, which holds for a whole task), bounded so that the tasks in flight
-    take at most half of each arena."""
+    take at most half of each arena. Not `group`: one step a task (a preprocess or postprocess
+    sees a task's rows at once, so a task must be exactly one block for them)."""
 
     def __init__(self, size: int | str | None, in_row_bytes: int, arena_bytes: int, in_flight: int,
-                 task_timeout: float | None = None) -> None:
+                 task_timeout: float | None = None, *, group: bool = True) -> None:
         if size is not None and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {size!r}")
         self.fixed = size if isinstance(size, int) else None
@@ -108,6 +109,7 @@ class BlockSizer:
         self.budget = max(arena_bytes // (2 * max(in_flight, 1)), 1)  # bytes per block per arena
         # a task's run time aimed at: well inside a task_timeout, which holds for the whole task
         self.target_s = BLOCK_TARGET_S if task_timeout is None else min(BLOCK_TARGET_S, task_timeout / 4)
+        self.group = group  # several steps to a task (not when hooks see the whole task's rows)
 
     @property
     def probing(self) -> bool:
@@ -122,6 +124,8 @@ class BlockSizer:
         """Rows of the next task: a whole number of steps (at least one)."""
         if self.per_row is None:
             return self.step or min(PROBE_ROWS, self._cap())  # one call, timed
+        if not self.group:
+            return self.step
         steps = int(self.target_s / max(self.per_row * self.step, 1e-9))
         return max(1, min(steps, self._cap() // self.step)) * self.step
 

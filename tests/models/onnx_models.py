@@ -428,16 +428,21 @@ def identity(path: StrPath, dim: int = 1) -> Path:
     return _save(graph, path)
 
 
-def batch_centered(path: StrPath, dim: int = 16) -> Path:
+def batch_centered(path: StrPath, dim: int = 16, poison: bool = False) -> Path:
     """x[batch,dim] -> x - ReduceMean(x, axis 0) -> y: every row's output depends on the other
-    rows of its session call, so it tells which rows were run together (block composition)."""
-    graph = helper.make_graph(
-        [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
-         helper.make_node("Sub", ["x", "m"], ["y"])],
-        "batch_centered",
-        [_float("x", ["batch", dim])],
-        [_float("y", ["batch", dim])],
-    )
+    rows of its session call, so it tells which rows were run together (block composition).
+
+    `poison`: a second input idx[batch] picks a row of a table of 10 added to y; an ``idx``
+    outside [-10, 9] makes the call raise ``InvalidArgument`` (as :func:`poison`)."""
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+             helper.make_node("Sub", ["x", "m"], ["c" if poison else "y"])]
+    inputs, inits = [_float("x", ["batch", dim])], []
+    if poison:
+        nodes += [helper.make_node("Gather", ["table", "idx"], ["rows"], axis=0),
+                  helper.make_node("Add", ["c", "rows"], ["y"])]
+        inputs.insert(0, _value("idx", TensorProto.INT64, ["batch"]))
+        inits.append(_init("table", np.random.default_rng(3).standard_normal((10, dim)).astype(np.float32)))
+    graph = helper.make_graph(nodes, "batch_centered", inputs, [_float("y", ["batch", dim])], inits)
     return _save(graph, path)
 
 
