@@ -244,7 +244,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         Without `batch_size` the inputs are one task. With `batch_size=N` (or "auto": calls of
         ~2 ms, from the measured run time per row) the rows on axis 0 go as blocks of N rows, a
         session call each, several blocks to a task (~30 ms of calls: the engine's cost per task
-        is paid once for them), on every worker, and the outputs come back concatenated:
+        is paid once for them; one block a task when a preprocess or postprocess sees them), on
+        every worker, and the outputs come back concatenated:
         byte-identical to running the same blocks one after the other in one session (a block
         is never stacked with other work). A block that fails is cut down to
         the rows that fail alone; then RowsFailed carries their indices, each row's own error,
