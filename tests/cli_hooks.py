@@ -111,3 +111,17 @@ def feeds_rows(item: Any) -> dict[str, np.ndarray]:
     not one item's worth."""
     x = np.asarray(item["x"], dtype=np.float32)[None]
     return {"x": np.repeat(x, int(item.get("rows", 1)), axis=0)}
+
+
+def tagged(outputs: dict[str, np.ndarray], item: Any) -> dict[str, Any]:
+    """A postprocess that reads its item: the item's "i" next to the label."""
+    return {"i": int(item["i"]), "label": int(np.argmax(outputs["probs"][0]))}
+
+
+def tagged_batch(outputs: dict[str, np.ndarray], items: list[Any]) -> list[dict[str, Any]]:
+    """Batched: one {"i", "label"} per item of the block."""
+    return [{"i": int(it["i"]), "label": int(k)} for it, k in zip(items, np.argmax(outputs["probs"], axis=1),
+                                                                    strict=True)]
+
+
+tagged_batch.batched = True  # type: ignore[attr-defined]

@@ -306,6 +306,22 @@ def test_jsonl_lines_are_parsed_in_the_workers_and_a_bad_line_fails_alone(tmp_pa
     assert {f["index"] for f in failures} == bad_json | bad_hook
 
 
+@pytest.mark.parametrize("pre,post", [("feeds", "tagged"), ("feeds_batch", "tagged_batch")])
+def test_a_postprocess_gets_the_parsed_json_item(pre: str, post: str, tmp_path: Path,
+                                                 models: SimpleNamespace) -> None:
+    """JSON lines travel as text and are parsed in the worker: the postprocess (per item or
+    batched) still gets the parsed item, as the preprocess does."""
+    x = rows(40, seed=9)
+    items = [{"i": 1000 + i, "x": r.tolist()} for i, r in enumerate(x)]
+    out = tmp_path / "o.parquet"
+    p = slabpool("run", models.mlp, jsonl(tmp_path / "in.jsonl", items), "-o", out, "--workers", 2,
+                 "--preprocess", f"tests.cli_hooks:{pre}", "--postprocess", f"tests.cli_hooks:{post}")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("i").to_pylist() == [1000 + i for i in range(40)]
+    assert t.column("label").to_pylist() == np.argmax(ref(x)["probs"], axis=1).tolist()
+
+
 def test_an_item_of_two_rows_next_to_one_of_none_fails_alone(tmp_path: Path, models: SimpleNamespace) -> None:
     """Outputs of a chunk that add up to one row per item, but not item by item (2 rows, then
     0): both items fail, every other keeps its own row."""
