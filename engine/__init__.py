@@ -14,6 +14,8 @@
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
      writes the outputs in place once it has seen the output shapes of that input signature
      (workers.inplace, counted in stats().outputs_in_place); otherwise one more copy, 7.
+     A task of rows (infer(batch_size=), the job) runs as several session calls at 6, `step`
+     rows each (TaskSpec.step), its outputs one region; a map() chunk is one task of many items.
 
      crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
        a  slot k -> DEAD; the process is reaped before any lease it held is reused
