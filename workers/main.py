@@ -41,9 +41,7 @@ from slabpool.workers.pipeline import (
     error_kind,
     in_steps,
     remote_error,
-    rows_in,
     seed_task,
-    spans,
 )
 from slabpool.workers.protocol import (
     BatchDone,
@@ -329,11 +327,8 @@ class Worker:
     def _run_into(self, feeds: dict[str, np.ndarray], dests: dict[str, np.ndarray], step: int) -> None:
         """The runtime writes the outputs into `dests`, `step` rows a session call (a block)."""
         assert self.session is not None
-        if len(spans(rows_in(feeds), step)) == 1:  # one call: its outputs need no row axis
-            return self.session.run_into(feeds, dests, self.boot.task_timeout)
         for lo, hi, part, left in in_steps(feeds, step, self.boot.task_timeout):
-            self.session.run_into(part, {k: d[lo:hi] for k, d in dests.items()}, left)
-        return None
+            self.session.run_into(part, dests if part is feeds else {k: d[lo:hi] for k, d in dests.items()}, left)
 
     def _run_stacked(self, ready: list[TaskSpec], feeds: dict[int, Any]) -> list[dict[str, np.ndarray]]:
         self._hand(STACKED)

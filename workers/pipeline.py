@@ -77,9 +77,14 @@ def in_steps(
     feeds: dict[str, np.ndarray], step: int, timeout: float | None,
 ) -> Iterator[tuple[int, int, dict[str, np.ndarray], float | None]]:
     """(lo, hi, rows [lo, hi) of every input, time left) for each session call of a block run
-    `step` rows at a time; `timeout` holds for the whole block (RunTimeout once it is spent)."""
+    `step` rows at a time; `timeout` holds for the whole block (RunTimeout once it is spent).
+    One call: `feeds` itself (`part is feeds`: its outputs need no row axis)."""
+    cuts = spans(rows_in(feeds), step)
+    if len(cuts) == 1:
+        yield 0, cuts[0][1], feeds, timeout
+        return
     end = None if timeout is None else time.monotonic() + timeout
-    for lo, hi in spans(rows_in(feeds), step):
+    for lo, hi in cuts:
         left = None if end is None else end - time.monotonic()
         if left is not None and left <= 0:
             raise RunTimeout(f"the block ran past {timeout} s (rows {lo} on not started)")
@@ -91,10 +96,8 @@ def run_in_steps(
     feeds: dict[str, np.ndarray], step: int, timeout: float | None,
 ) -> dict[str, np.ndarray]:
     """run(feeds) in session calls of `step` rows (spans), the outputs concatenated on axis 0."""
-    if len(spans(rows_in(feeds), step)) == 1:
-        return run(feeds, timeout)
     parts = [run(part, left) for _, _, part, left in in_steps(feeds, step, timeout)]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 class TaskPipeline:

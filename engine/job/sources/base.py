@@ -17,7 +17,6 @@ row a span of its own, holding the error (`SpanRows`).
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 from collections import deque
@@ -129,13 +128,6 @@ class Source:
 
     def blocks(self, size: int) -> Iterator[Block]:
         raise NotImplementedError
-
-    def items(self, size: int = READ_ROWS) -> Iterator[tuple[int, Callable[[], Any], dict[str, Any]]]:
-        """(index, a thunk giving what submit gets, kept values) for every item, in order. The
-        thunk reads the item when called, so an unreadable one fails alone, at its submit."""
-        for b in self.blocks(size):
-            for j in range(b.size):
-                yield b.start + j, functools.partial(b.item, j), b.kept(j)
 
 
 def file_fingerprint(path: Path) -> dict[str, Any]:
