@@ -156,7 +156,10 @@ def test_repeated_start_up_deaths_fail_the_engine_with_a_clear_error(models):
         with pytest.raises(SessionInitError, match="failed to start 5 times"):
             fut.result(timeout=60)
         with pytest.raises(SessionInitError):
-            eng.submit(X)
+            eng.submit(X)  # while the owner thread stops the engine, or after: the same error
+        assert eng._owner.join(30) and eng._state.name == "CLOSED"
+        with pytest.raises(SessionInitError, match="failed to start 5 times"):
+            eng.submit(X)  # the engine failed: submit() says why, not "after close()"
 
 
 def test_recycling_by_task_count_and_memory_loses_nothing(models):

@@ -143,6 +143,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     def _check_accepting(self) -> None:
         if self._state is not EngineState.ACCEPTING:
+            self._queue.raise_if_closed()  # why it stopped: the engine's failure, or close()
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
 
     def _enqueue(

@@ -90,7 +90,7 @@ class TaskQueue:
         superseded: list[Task] = []
         with self._cond:
             while True:
-                self._raise_if_closed()
+                self.raise_if_closed()
                 over = bool(self.max_bytes) and bool(self._pending) and self._bytes + nbytes > self.max_bytes
                 if self._size() < self.capacity and not over:
                     break
@@ -121,7 +121,7 @@ class TaskQueue:
         """Turn a reservation into an accepted task; its id is the acceptance sequence number."""
         with self._cond:
             self._reserved -= 1
-            self._raise_if_closed()
+            self.raise_if_closed()
             task = make(self._next_id)
             self._next_id += 1
             self._pending[task.id] = task
@@ -161,7 +161,8 @@ class TaskQueue:
         if self._waiting:
             self._cond.notify_all()
 
-    def _raise_if_closed(self) -> None:
+    def raise_if_closed(self) -> None:
+        """Raise why the queue was closed (the engine's failure, or EngineClosed), if it was."""
         if self._closed is not None:
             raise self._closed
 
