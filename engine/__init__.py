@@ -41,7 +41,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   changes slots and running tasks (callers hand it callables: `call(fn, *args)`);
   `ledger.TaskLedger` ends each task once (step 9: counters, histograms, Futures completed
   after the step); `admission.TaskQueue` bounds what is accepted and not yet running; pure
-  policy: `dispatch` (steps 3-4: group and batch limits), `recovery` (step d: who is charged).
+  policy: `dispatch` (steps 3-4: group and batch limits), `recovery` (step d: who is charged);
+  `reload.ReloadPlan` is a hot model swap, slot by slot, that each backend carries out.
 - `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
   outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
@@ -52,7 +53,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
   rebuild, retire); `regions` sizes output regions (7), `watchdog` times out and revokes,
   `slot.Slot` is one worker process and its pipe, `reload` swaps the model slot by slot.
-- `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core.
+- `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core; its `reload`
+  starts each slot's new actor next to the old one.
 - `engine.job`: the batch job, `slabpool run`.
 - `slabpool.workers.main`: the worker loop; `slabpool.workers.pipeline` the steps 5-7 every kind
   of worker runs (preprocess -> contract -> run -> postprocess); one session per process.

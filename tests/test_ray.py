@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ import psutil
 import pytest
 
 from slabpool import Engine, RayEngine
+from slabpool.engine.core.reload import SignatureChanged
 from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
@@ -311,7 +313,7 @@ def test_metrics_are_the_same_families(backend: str, models: SimpleNamespace) ->
 
 def test_the_backends_offer_the_same_methods() -> None:
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
-    assert public(Engine) - public(RayEngine) == {"reload"}  # a hot swap needs slots we own
+    assert public(Engine) - public(RayEngine) == set()
     assert public(RayEngine) - public(Engine) == {"placement"}  # where Ray put each actor
 
 
@@ -417,6 +419,115 @@ def test_poison_task_is_quarantined(backend: str, models: SimpleNamespace) -> No
     for x, res in zip(xs[:2] + xs[3:], others, strict=True):
         assert_mlp(res.outputs, x)
     assert (stats.completed, stats.failed, stats.quarantined) == (5, 1, 1)
+
+
+# -- hot model swaps --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return onnx_models.mlp(tmp_path_factory.mktemp("v2") / "mlp_v2.onnx", seed=1)
+
+
+def _load(eng: Any, xs: list[np.ndarray], out: list[tuple[np.ndarray, Future[Any]]], stop: threading.Event) -> None:
+    i = 0
+    while not stop.is_set():
+        out.append((xs[i % len(xs)], eng.submit({"x": xs[i % len(xs)]})))
+        i += 1
+        time.sleep(0.002)  # a steady stream, not a queue that grows for the whole swap
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_reload_under_load_loses_nothing_and_tags_every_result(
+    backend: str, models: SimpleNamespace, v2: Path, drain: bool
+) -> None:
+    if backend == DELEGATED:
+        return
+    xs = [rows(i, n=2) for i in range(8)]
+    with build(backend, models.mlp) as eng:
+        v1 = eng.model_version
+        submitted: list[tuple[np.ndarray, Future[Any]]] = []
+        stop = threading.Event()
+        t = threading.Thread(target=_load, args=(eng, xs, submitted, stop))
+        t.start()
+        try:
+            new = eng.reload(v2, drain_slot=drain, timeout=120)
+        finally:
+            stop.set()
+            t.join()
+        after = eng.submit({"x": xs[0]}).result(timeout=60)
+        st = eng.stats()
+    assert new != v1 and eng.model_version == new and after.model_version == new
+    assert {s.model_version for s in st.slots} == {new} and st.failed == 0
+    refs = {v1: models.mlp, new: v2}
+    versions = set()
+    for x, fut in submitted:
+        res = fut.result(timeout=60)
+        versions.add(res.model_version)
+        assert res.outputs["probs"].tobytes() == ort_run(refs[res.model_version], {"x": x})["probs"].tobytes()
+    assert versions <= {v1, new} and submitted
+
+
+def test_a_model_that_does_not_load_leaves_the_old_one_serving(
+    backend: str, models: SimpleNamespace, tmp_path: Path
+) -> None:
+    if backend == DELEGATED:
+        return
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"garbage")
+    with build(backend, models.mlp) as eng:
+        v1 = eng.model_version
+        with pytest.raises(E.SessionInitError, match="old model keeps serving"):
+            eng.reload(bad, timeout=120)
+        results = [eng.submit({"x": rows(i)}).result(timeout=60) for i in range(20)]
+        st = eng.stats()
+    assert {r.model_version for r in results} == {v1} and eng.model_version == v1
+    assert {s.model_version for s in st.slots} == {v1} and st.failed == 0
+
+
+def test_signature_change_is_refused_unless_allowed(backend: str, models: SimpleNamespace) -> None:
+    if backend == DELEGATED:
+        return
+    image = np.ones((1, 3, 16, 16), np.float32)
+    with build(backend, models.mlp) as eng:
+        v1 = eng.model_version
+        with pytest.raises(SignatureChanged, match="signature differs"):
+            eng.reload(models.convnet, timeout=120)
+        assert eng.model_version == v1 and {s.model_version for s in eng.stats().slots} == {v1}
+        assert_mlp(eng.infer({"x": rows(1)}), rows(1))
+        new = eng.reload(models.convnet, allow_signature_change=True, timeout=120)
+        out = eng.submit({"image": image}).result(timeout=60)
+        with pytest.raises(E.InputContractError):
+            eng.submit({"x": rows(1)})  # the old model's inputs are refused at the door now
+    assert new != v1 and out.model_version == new and out.outputs["probs"].shape == (1, 10)
+
+
+def test_a_slot_rebuilt_after_a_reload_runs_the_new_model(
+    backend: str, models: SimpleNamespace, v2: Path, tmp_path: Path
+) -> None:
+    """A worker (an actor) that dies after the swap comes back on the new model."""
+    if backend == DELEGATED:
+        return
+    with build(backend, models.mlp, preprocess=HOOK) as eng:
+        new = eng.reload(v2, timeout=120)
+        res = eng.submit({"x": rows(3), "kill_once": str(tmp_path / "killed")}).result(60)
+        wait_until(lambda: eng.stats().restarts == 1)
+        later = [eng.submit({"x": rows(i)}).result(60) for i in range(6)]
+        st = eng.stats()
+    assert res.attempts == 2 and res.model_version == new
+    assert {r.model_version for r in later} == {new} and {s.model_version for s in st.slots} == {new}
+    assert res.outputs["probs"].tobytes() == ort_run(v2, {"x": rows(3)})["probs"].tobytes()
+
+
+def test_reload_after_close_is_refused(backend: str, models: SimpleNamespace, v2: Path) -> None:
+    if backend == DELEGATED:
+        return
+    eng = build(backend, models.mlp)
+    eng.close()
+    with pytest.raises(E.EngineClosed):
+        eng.reload(v2, timeout=60)
+    with pytest.raises(FileNotFoundError, match="model file not found"):
+        eng.reload(v2.parent / "missing.onnx")
 
 
 # -- Ray only -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ those.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -23,12 +24,14 @@ from slabpool.engine.caller.mapping import MapMixin
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
 from slabpool.engine.core.metrics import Histogram, Metrics, render
+from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState, TaskState
 from slabpool.engine.core.stats import EngineStats, ModelDescription
 from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import FaultSpec, SessionInfo, TensorSpec
+from slabpool.workers.session import SessionSpec, detect_backend
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
@@ -49,6 +52,10 @@ class Owner(Protocol):
     def cancel(self, task: Task, kill: bool) -> bool: ...
 
     def abort(self, reason: str) -> None: ...
+
+    def model_spec(self) -> SessionSpec | None: ...
+
+    def start_reload(self, plan: Any) -> None: ...
 
 
 class BaseEngine(MapMixin, AsyncEngineMixin):
@@ -181,6 +188,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         raise NotImplementedError
+
+    _reload_plan: type[ReloadPlan] = ReloadPlan  # the backend's: how it swaps a slot's model
 
     def _info(self) -> SessionInfo | None:
         raise NotImplementedError
@@ -355,6 +364,37 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
             return
         threading.Thread(target=self.close, kwargs={"cancel_pending": cancel_futures},
                          name="slabpool-shutdown", daemon=True).start()
+
+    def reload(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        drain_slot: bool = True,
+        allow_signature_change: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Swap the model slot by slot, serving throughout; return the new model version
+        (`engine.core.reload`). `drain_slot`: a slot finishes what it holds before it swaps
+        (False: hands it back to the queue, to run again elsewhere).
+
+        Raises SessionInitError if the new model fails to load (the old one keeps serving),
+        SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False,
+        TimeoutError once `timeout` s have passed (the swap goes on)."""
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model file not found: {path}")
+        old = self._owner.model_spec()
+        if old is None:
+            raise E.EngineError("this engine has no model (model=None): nothing to reload")
+        spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path))
+        plan = self._reload_plan(spec, old, drain_slot, allow_signature_change)
+        self._owner.call(self._owner.start_reload, plan).result()  # EngineClosed once it has stopped
+        if not plan.done.wait(timeout):
+            raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
+        if plan.error is not None:
+            raise plan.error
+        self._set_specs(plan.info)
+        return self.model_version
 
     def __enter__(self) -> Self:
         return self

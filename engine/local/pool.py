@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import multiprocessing
-import os
 import threading
 import time
 import warnings
@@ -38,7 +36,7 @@ from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.main import WorkerBoot
 from slabpool.workers.protocol import Chunk, FaultSpec, FlatSkeleton, Rows, SessionInfo, seal
-from slabpool.workers.session import SessionSpec, detect_backend
+from slabpool.workers.session import SessionSpec
 
 
 class Engine(BaseEngine):
@@ -51,6 +49,7 @@ class Engine(BaseEngine):
     """
 
     chunked_map = True
+    _reload_plan = Reload  # a slot's worker exits and is rebuilt on the new model
 
     def _start(self) -> None:
         cfg = self.config
@@ -181,34 +180,6 @@ class Engine(BaseEngine):
             task.lease = None
         if error is not None:
             task.future.set_exception(error)
-
-    def reload(
-        self,
-        model: str | os.PathLike[str],
-        *,
-        drain_slot: bool = True,
-        allow_signature_change: bool = False,
-        timeout: float | None = None,
-    ) -> str:
-        """Swap the model slot by slot, serving throughout; return the new model version.
-
-        Raises SessionInitError if the new model fails to load (the old one keeps serving), and
-        SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False."""
-        path = os.fspath(model)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model file not found: {path}")
-        old = self._sup.specs[0]
-        if old is None:
-            raise E.EngineError("this engine has no model (model=None): nothing to reload")
-        backend = self.config.backend or detect_backend(path)
-        plan = Reload(dataclasses.replace(old, path=path, backend=backend), old, drain_slot, allow_signature_change)
-        self._sup.call(self._sup.start_reload, plan)
-        if not plan.done.wait(timeout):
-            raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
-        if plan.error is not None:
-            raise plan.error
-        self._set_specs(plan.info)
-        return self.model_version
 
     def _release_shm(self) -> None:
         _release_shm(getattr(self, "_inputs", None), getattr(self, "_outputs", None), self._lock)

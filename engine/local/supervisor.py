@@ -388,6 +388,10 @@ class Supervisor(Dispatcher, OwnerThread):
         if self.reload is plan:
             self.reload = None
 
+    def model_spec(self) -> SessionSpec | None:
+        """The model the engine serves (what a reload replaces)."""
+        return self.specs[0]
+
     def set_spec(self, slot: Slot, spec: SessionSpec | None) -> None:
         """The session a slot builds from its next incarnation on (a reload)."""
         self.specs[slot.index] = spec

@@ -47,6 +47,7 @@ from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
 from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
+from slabpool.engine.ray.reload import RayReload
 from slabpool.workers.protocol import FaultSpec, Packed, SessionInfo
 
 log = logging.getLogger("slabpool.engine.ray")
@@ -66,6 +67,8 @@ class RayEngine(BaseEngine):
     starve other Ray work on small clusters), `actor_options` (a dict, or a function of the
     slot index returning one, merged into `.options()`: scheduling_strategy, resources, ...).
     """
+
+    _reload_plan = RayReload  # a new actor next to the old one, swapped in once it is up
 
     def __init__(
         self,

@@ -25,9 +25,11 @@ from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import SlotState, TaskState
 from slabpool.engine.core.task import Batch, Result, Task, Timings
 from slabpool.engine.ray.actor import ActorDone, ActorReady, SlotActor
+from slabpool.engine.ray.reload import RayReload
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash
 from slabpool.workers.protocol import SessionInfo
+from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine.ray")
 
@@ -71,6 +73,7 @@ class _RaySlot:
     ping_backoff: float = 0.05
     pinging: bool = False
     kill_reason: str | None = None  # "cancel", "shutdown": a death we caused blames no task
+    swapping: bool = False  # a reload swaps its actor: no new work for it
 
     def move(self, new: SlotState) -> None:
         self.state.check(new)
@@ -79,6 +82,11 @@ class _RaySlot:
     @property
     def healthy(self) -> bool:
         return self.state in (SlotState.READY, SlotState.BUSY)
+
+    @property
+    def open(self) -> bool:
+        """It may be sent work."""
+        return self.healthy and not self.swapping
 
 
 
@@ -115,17 +123,23 @@ class _Ledger(OwnerThread, TaskLedger):
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._flights: dict[int, _Flight] = {}  # task id -> its one call in flight
         self._stopping = False  # the actors are being killed: a late ping changes nothing
-        remote = ray.remote(SlotActor)
-        self.slots: list[_RaySlot] = []
-        for i in range(cfg.workers):
-            opts: dict[str, Any] = {"num_cpus": cpus_per_slot, "max_restarts": -1, "max_task_retries": 0,
-                                    "max_concurrency": 1}
-            extra = actor_options(i) if callable(actor_options) else actor_options
-            opts.update(extra or {})
-            actor = remote.options(**opts).remote(
-                i, cfg.session_spec(), cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs)
-            self.slots.append(_RaySlot(i, actor))
+        self._remote = ray.remote(SlotActor)
+        self._actor_options = (cpus_per_slot, actor_options)
+        self.spec = cfg.session_spec()  # the model the engine serves
+        self.reload: RayReload | None = None  # a hot model swap in progress
+        self.slots = [_RaySlot(i, self.new_actor(i, self.spec)) for i in range(cfg.workers)]
         self.on_stopped: Callable[[], None] = lambda: None
+
+    def new_actor(self, index: int, spec: SessionSpec | None) -> Any:
+        """Start the actor of slot `index` on `spec` (Ray restarts it on the same spec)."""
+        cpus_per_slot, actor_options = self._actor_options
+        opts: dict[str, Any] = {"num_cpus": cpus_per_slot, "max_restarts": -1, "max_task_retries": 0,
+                                "max_concurrency": 1}
+        extra = actor_options(index) if callable(actor_options) else actor_options
+        opts.update(extra or {})
+        cfg = self.cfg
+        return self._remote.options(**opts).remote(
+            index, spec, cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs)
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -160,11 +174,16 @@ class _Ledger(OwnerThread, TaskLedger):
             self._fail(exc)
             return
         s.move(SlotState.READY)
-        s.pid, s.node_id, s.incarnation = msg.pid, msg.node_id, s.incarnation + 1
+        self._up(s, msg)
         s.ping_backoff, s.pinging, s.ping_at, s.kill_reason = 0.05, False, None, None
         if msg.info is not None:
             self.info = self.info or msg.info
-            s.info = msg.info
+
+    @staticmethod
+    def _up(s: _RaySlot, msg: ActorReady) -> None:
+        """A (new) incarnation of the slot's actor answered."""
+        s.pid, s.node_id, s.incarnation = msg.pid, msg.node_id, s.incarnation + 1
+        s.info = msg.info or s.info
 
     # -- the loop (engine.owner) ---------------------------------------------------------------
 
@@ -189,6 +208,8 @@ class _Ledger(OwnerThread, TaskLedger):
         self.run_calls()
         now = time.monotonic()
         self._timers(now)
+        if self.reload is not None:
+            self.reload.step(self)
         self._dispatch(now)
         self.flush()
 
@@ -198,6 +219,10 @@ class _Ledger(OwnerThread, TaskLedger):
             self._on_done(event[1], event[2])
         elif kind == "ready":
             self._on_ping(event[1], event[2])
+        elif kind == "reload":
+            if self.reload is not None and self.reload.on_ready(self, event[1], event[2]):
+                return
+            self.kill_actor(event[1])  # a swap that ended before its actor answered
 
     def _finished(self) -> bool:
         if self.failure is not None:
@@ -208,6 +233,9 @@ class _Ledger(OwnerThread, TaskLedger):
         self.fail_all(error)
 
     def _stopped(self) -> None:
+        if self.reload is not None:
+            self.reload.abort(E.EngineClosed("the engine closed during the reload"))
+            self.kill_actor(self.reload.actor)
         self.abort("the engine closed while it ran")
         self._kill_all()
         self.flush()
@@ -244,7 +272,7 @@ class _Ledger(OwnerThread, TaskLedger):
     def _dispatch(self, now: float) -> None:
         depth = self.cfg.inflight_per_slot
         while True:
-            open_slots = [s for s in self.slots if s.healthy and len(s.flights) < depth]
+            open_slots = [s for s in self.slots if s.open and len(s.flights) < depth]
             if not open_slots:
                 return
             slot = min(open_slots, key=lambda s: len(s.flights))  # idle slots first
@@ -280,6 +308,8 @@ class _Ledger(OwnerThread, TaskLedger):
     def _on_done(self, flight: _Flight, fut: Future[Any]) -> None:
         flight.resolved = True
         slot = self.slots[flight.slot]
+        if flight not in slot.flights:  # a call of an actor that a reload swapped out: settled
+            return
         exc = fut.exception()
         if isinstance(exc, RayActorError):
             flight.died = exc
@@ -400,13 +430,53 @@ class _Ledger(OwnerThread, TaskLedger):
             if s.ping_at is not None and now >= s.ping_at:
                 self._ping(s)
 
+    # -- hot model swaps (engine.ray.reload) ----------------------------------------------------
+
+    def model_spec(self) -> SessionSpec | None:
+        return self.spec
+
+    def start_reload(self, plan: RayReload) -> None:
+        if self.reload is not None:
+            plan.abort(E.EngineError("a reload is already in progress"))
+        elif self.closing is not None or self.failure is not None:
+            plan.abort(E.EngineClosed("the engine is closing"))
+        else:
+            self.reload = plan
+            plan.start(self)
+
+    def end_reload(self, plan: RayReload, info: SessionInfo | None) -> None:
+        """A swap ended: its model is the engine's from now on (None: unchanged)."""
+        if info is not None:
+            self.info, self.spec = info, plan.spec
+        if self.reload is plan:
+            self.reload = None
+
+    def hand_back(self, slot: _RaySlot) -> None:
+        """Its calls in flight go back to the queue uncharged (their completions are dropped)."""
+        tasks = [f.task for f in slot.flights if not f.task.state.is_terminal]
+        for f in list(slot.flights):
+            self._unlink(slot, f)
+        self._requeue(tasks)
+
+    def swap_actor(self, slot: _RaySlot, actor: Any, msg: ActorReady) -> None:
+        """The slot's actor is now `actor` (ready, running the new model); the old one goes."""
+        old, slot.actor, slot.swapping = slot.actor, actor, False
+        self._up(slot, msg)
+        self.kill_actor(old)
+
+    @staticmethod
+    def kill_actor(actor: Any) -> None:
+        if actor is None:
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - Ray already gone: nothing left to kill
+            log.debug("could not kill an actor: %s", exc)
+
     def _kill_all(self) -> None:
         self._stopping = True
         for s in self.slots:
-            try:
-                ray.kill(s.actor, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - Ray already gone: nothing left to kill
-                log.debug("could not kill the actor of slot %d: %s", s.index, exc)
+            self.kill_actor(s.actor)
             if s.state is not SlotState.STOPPED:
                 s.state = SlotState.STOPPED
 
