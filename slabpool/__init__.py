@@ -100,7 +100,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            return getattr(importlib.import_module(_LAZY[name]), name)
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise ModuleNotFoundError(f"slabpool.{name} needs Ray: pip install 'slabpool[ray]'", name="ray") from exc
     if name == "__version__":  # looked up on first use: importlib.metadata costs every worker ~20 ms
         global __version__
         from importlib import metadata

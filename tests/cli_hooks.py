@@ -125,3 +125,10 @@ def tagged_batch(outputs: dict[str, np.ndarray], items: list[Any]) -> list[dict[
 
 
 tagged_batch.batched = True  # type: ignore[attr-defined]
+
+
+def row_feeds(row: Any) -> dict[str, np.ndarray]:
+    """A row of an .npy input (what a hook gets from one: the row, or a dict name -> row) -> x."""
+    if isinstance(row, dict):
+        row = row["x"]
+    return {"x": np.asarray(row, dtype=np.float32)[None]}

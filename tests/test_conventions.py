@@ -151,3 +151,10 @@ def test_a_fully_resumed_run_says_there_was_nothing_to_compute(tmp_path: Path, m
     lines = again.stdout.splitlines()
     assert lines[0] == "items 40: all already durable, nothing to compute" and lines[-1] == "output: out.npy"
     assert "inf" not in again.stderr and "0 workers" not in again.stdout
+
+
+def test_ray_engine_without_ray_says_what_to_install() -> None:
+    code = ("import sys\nsys.modules['ray'] = None  # as if Ray were not installed\nimport slabpool\n"
+            "try:\n    slabpool.RayEngine\nexcept ModuleNotFoundError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "pip install 'slabpool[ray]'" in out.stdout, out

@@ -27,6 +27,7 @@ from slabpool.engine.job.dispatch import pending_items
 from slabpool.engine.job.sources import JobError, open_source
 from slabpool.engine.job.sources.tables import column_array
 from slabpool.engine.job.store import Failure, Store
+from tests.models import onnx_models
 from tests.models.onnx_models import mlp_reference
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, jsonl, rows, slabpool
 
@@ -343,6 +344,42 @@ def test_an_item_of_two_rows_next_to_one_of_none_fails_alone(tmp_path: Path, mod
 
 
 # -- Parquet output: strings, refusals, store order -----------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_one_number_a_row_keeps_its_dtype_in_every_output(hook: bool, tmp_path: Path) -> None:
+    """A scorer's output, y[batch]: one float32 a row in .npy, .npz and Parquet (by blocks
+    without a hook, item by item with one)."""
+    model = onnx_models.row_sum(tmp_path / "row_sum.onnx")
+    x = np.random.default_rng(5).standard_normal((37, 4)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    want = x.sum(axis=1, dtype=np.float32)
+    extra = ["--preprocess", "tests.cli_hooks:row_feeds"] if hook else []
+    for name in ("y.npy", "y.npz", "y.parquet"):
+        out = tmp_path / name
+        p = slabpool("run", model, tmp_path / "x.npy", "-o", out, "--workers", 2, *extra)
+        assert p.returncode == 0, p.stderr
+        if name == "y.parquet":
+            t = pq.read_table(out)
+            assert t.schema.field("y").type == pa.float32()
+            got = np.asarray(t.column("y").to_pylist(), np.float32)
+        else:
+            got = np.load(out)["y"] if name.endswith(".npz") else np.load(out)
+        assert got.dtype == np.float32 and got.shape == (37,)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_without_rows_says_so_and_writes_nothing(tmp_path: Path, models: SimpleNamespace) -> None:
+    np.save(tmp_path / "e.npy", np.zeros((0, 16), np.float32))
+    (tmp_path / "h.csv").write_text("x\n")
+    (tmp_path / "e.jsonl").write_text("")
+    pq.write_table(pa.table({"x": pa.array([], type=pa.list_(pa.float32(), 16))}), tmp_path / "e.parquet")
+    for src, out in [("e.npy", "o.npy"), ("e.parquet", "o.parquet"), ("h.csv", "o2.parquet"), ("e.jsonl", "o.npz")]:
+        hook = ["--preprocess", "tests.cli_hooks:feeds"] if src.endswith(".jsonl") else []
+        p = slabpool("run", models.mlp, tmp_path / src, "-o", tmp_path / out, "--workers", 1, *hook)
+        assert p.returncode == 0, p.stderr
+        assert f"{src} holds no items; nothing was computed, {tmp_path / out} was not written" in p.stdout, p.stdout
+        assert not (tmp_path / out).exists()
 
 
 def test_string_output_to_npz_is_refused_pointing_to_parquet(tmp_path: Path, models: SimpleNamespace) -> None:

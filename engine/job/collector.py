@@ -5,6 +5,7 @@ files) when due."""
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from typing import Any
 
@@ -27,6 +28,10 @@ MAX_SHARD_ITEMS = 10_000  # parts (items, blocks) a shard holds at most: it also
 ITEM_ERRORS = (E.InputContractError, E.SessionRunError, E.PoisonTask, E.TaskTimeout, E.ShmCapacityError,
                RowError, OSError, ValueError)
 MAX_SHARD_BYTES = 64 * 1024 * 1024  # output bytes a shard holds at most (bounds memory)
+
+# "task 99 failed: ValueError: ..." -> "ValueError: ...": a task id is the engine's, not the
+# input's, and differs between a run and its resume (the row's index is the item's identity)
+_TASK_ID = re.compile(r"^task \d+(?: failed:|:)? ?")
 
 
 class Collector:
@@ -182,7 +187,7 @@ class Collector:
             assert piece.outputs is not None
             cols = {str(k): np.asarray(v) for k, v in piece.outputs.items()}
             try:
-                self._check({k: v[0] for k, v in cols.items()} if piece.hi > piece.lo else {})
+                self._check({k: np.asarray(v[0]) for k, v in cols.items()} if piece.hi > piece.lo else {})
             except RowError as exc:
                 error = exc
             else:
@@ -211,7 +216,7 @@ class Collector:
         self.pending_bytes += sum(getattr(v, "nbytes", 64 * len(v)) for v in cols.values())
 
     def _fail(self, index: int, exc: BaseException, attempts: int, keep: dict[str, list[Any]]) -> None:
-        message = (str(exc).strip().splitlines() or [""])[0]
+        message = _TASK_ID.sub("", (str(exc).strip().splitlines() or [""])[0], count=1)
         failure = Failure(index, type(exc).__name__, message, attempts)
         self.failures.append(failure)
         for k, v in keep.items():

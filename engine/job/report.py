@@ -103,6 +103,9 @@ class JobOutcome:
 def summary(outcome: JobOutcome) -> list[str]:
     """The lines printed at the end of a run."""
     r = outcome.report
+    if r.complete and not r.items:
+        where = f"the folder {r.output} holds none" if Path(r.output).is_dir() else f"{r.output} was not written"
+        return [f"items 0: {r.input} holds no items; nothing was computed, {where}"]
     if r.complete and not r.computed_this_run and not r.workers:  # all durable already
         return [f"items {r.items}: all already durable, nothing to compute "
                 f"({r.failed} failed, listed in {Path(r.parts) / 'failures.jsonl'})" if r.failed else
@@ -126,6 +129,6 @@ def summary(outcome: JobOutcome) -> list[str]:
         lines.append(f"failed items are listed in {Path(r.parts) / 'failures.jsonl'}")
     lines.extend(outcome.notes)
     if r.complete:
-        lines.append(f"output: {r.output}" + (f" (shards, journal, report in {r.parts})"
+        lines.append(f"output: {r.output}" + (f" (its journal and report in {r.parts})"
                                                if r.output != r.parts else ""))
     return lines

@@ -301,13 +301,10 @@ class JobRun:
         text = "".join(json.dumps(f.as_json()) + "\n" for f in failures)
         write_atomic(spec.parts / "failures.jsonl", lambda f: f.write(text.encode()))
         complete = store.settled_count() >= count
-        if complete and spec.parquet:
-            if count:
-                keep = tuple(store.keep_types)
-                write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f))
-            else:
-                notes.append(f"the input holds no items: {spec.output} was not written")
-        elif complete and spec.single_file:
+        if complete and spec.parquet and count:
+            keep = tuple(store.keep_types)
+            write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f))
+        elif complete and spec.single_file and count:
             written, note = publish(store, spec.output)
             if not written:
                 notes.append(f"no item succeeded: {spec.output} was not written")

@@ -428,6 +428,18 @@ def identity(path: StrPath, dim: int = 1) -> Path:
     return _save(graph, path)
 
 
+def row_sum(path: StrPath, dim: int = 4) -> Path:
+    """x[batch,dim] -> ReduceSum over axis 1 -> y[batch]: one number a row (a scorer's shape)."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axis1"], ["y"], keepdims=0)],
+        "row_sum",
+        [_float("x", ["batch", dim])],
+        [_float("y", ["batch"])],
+        [_init("axis1", np.array([1], dtype=np.int64))],
+    )
+    return _save(graph, path)
+
+
 def batch_centered(path: StrPath, dim: int = 16, poison: bool = False) -> Path:
     """x[batch,dim] -> x - ReduceMean(x, axis 0) -> y: every row's output depends on the other
     rows of its session call, so it tells which rows were run together (block composition).

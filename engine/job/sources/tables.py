@@ -122,7 +122,7 @@ class TableSource(Source):
 
         for j in range(table.num_rows):
             try:
-                row = {k: cell_array(self.pa, c, j) for k, c in cols.items()}
+                row = {k: cell_array(self.pa, c, j, k) for k, c in cols.items()}
             except ValueError as exc:
                 yield from flush(j)
                 yield Span(start + j, start + j + 1, error=exc, keep={k: v[j : j + 1] for k, v in keep.items()})
@@ -164,7 +164,7 @@ class TableSource(Source):
         cols = {s.name: batch.column(s.name) for s in self.inputs}
         for j in range(batch.num_rows):
             try:
-                out.append({k: cell_array(self.pa, c, j)[None] for k, c in cols.items()})
+                out.append({k: cell_array(self.pa, c, j, k)[None] for k, c in cols.items()})
             except ValueError as exc:
                 out.append(exc)
         return out
@@ -307,11 +307,11 @@ def column_rows(pa: Any, col: Any, name: str, bad: dict[int, ValueError]) -> Arr
     return out
 
 
-def cell_array(pa: Any, col: Any, j: int) -> Array:
+def cell_array(pa: Any, col: Any, j: int, name: str) -> Array:
     """Row j of a column as an array of the column's numeric type (ValueError when null/ragged)."""
     value = col[j].as_py()
     if value is None or _has_none(value):
-        raise ValueError(f"column {col.type} is null in this row")
+        raise ValueError(f"column {name!r} ({col.type}) is null in this row")
     dtype = np.dtype(_leaf_type(pa, col.type).to_pandas_dtype())
     a = np.asarray(value, dtype=dtype)
     if a.dtype == object:

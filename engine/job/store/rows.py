@@ -48,7 +48,7 @@ def to_rows(outputs: Any, *, strip_batch: bool, parquet: bool = False,
         if strip_batch:
             if a.ndim == 0 or a.shape[0] != 1:
                 raise RowError(f"output {name!r} has shape {a.shape}; one item needs a batch axis of 1")
-            a = a[0]
+            a = np.asarray(a[0])  # one number a row: a 0-d array, not a numpy scalar
         if a.dtype.hasobject or a.dtype.kind in "USV":
             if not parquet:
                 raise JobError(f"output {name!r} holds {a.dtype} values ({type(value).__name__}); .npy/.npz "
