@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from slabpool import Engine
 from slabpool.engine.core.states import EngineState
-from slabpool.engine.local.mainguard import _guarded_lines
+from slabpool.engine.local.mainguard import _guarded
 from slabpool.workers.errors import (
     InputContractError,
     PoisonTask,
@@ -320,11 +320,30 @@ def test_a_script_without_the_main_guard_is_told_what_to_do(tmp_path):
     assert "[2.0, 2.0]" in out.stdout
 
 
-def test_guarded_lines_reads_either_spelling(tmp_path):
+GUARDS = {  # script -> whether the line that makes the Engine (marked E) may be guarded
+    "E\n": False,
+    "if '__main__' == __name__:\n    E\n": True,
+    "if x == '__main__':\n    E\n": False,
+    "if __name__ == '__main__' and len(sys.argv) > 0:\n    E\n": True,
+    "try:\n    if __name__ == '__main__':\n        E\nexcept KeyboardInterrupt:\n    pass\n": True,
+    "with ctx():\n    if __name__ == '__main__':\n        E\n": True,
+    "if __name__ != '__main__':\n    pass\nelse:\n    E\n": True,
+    "for i in range(2):\n    E\n": False,
+    "try:\n    E\nfinally:\n    pass\n": False,
+    "with ctx():\n    E\n": False,
+}
+
+
+@pytest.mark.parametrize("body,guarded", GUARDS.items())
+def test_the_guard_is_found_at_any_depth_and_only_a_sure_miss_refused(tmp_path, body, guarded):
+    """A guarded script is never refused (a guard inside try/with/else, or combined with
+    `and`); a statement that no test of __name__ encloses is."""
     src = tmp_path / "s.py"
-    src.write_text("a = 1\nif '__main__' == __name__:\n    b = 2\nif x == '__main__':\n    c = 3\n")
-    lines = _guarded_lines(str(src), str(src))
-    assert lines == {1: False, 2: True, 3: True, 4: False, 5: False}
+    src.write_text("a = 1\n" + body.replace("E", "eng = Engine()"))
+    line = 1 + next(i for i, text in enumerate(body.splitlines(), 1) if "E" in text and "Exc" not in text)
+    assert _guarded(str(src), line) is guarded
+    assert _guarded(str(src), 1) is False  # `a = 1`
+    assert _guarded(str(tmp_path / "missing.py"), 1) is True  # no source: never refuse
 
 
 # -- 9. settings ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def check_main_guard(start_method: str) -> None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
             break
         frame = frame.f_back
-    if frame is None or _guarded_lines(path, frame.f_code.co_filename).get(frame.f_lineno, True):
+    if frame is None or _guarded(frame.f_code.co_filename, frame.f_lineno):
         return
     raise RuntimeError(
         f"Engine() was called at the top level of the script {path} (line {frame.f_lineno}), outside "
@@ -41,27 +41,33 @@ def check_main_guard(start_method: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _guarded_lines(path: str, code_file: str) -> dict[int, bool]:
-    """Top-level statement lines of the script -> whether they are under the main guard. Empty
-    (everything passes) when the source cannot be read or is not the code that runs."""
+def _parse(code_file: str) -> ast.Module | None:
     try:
         with open(code_file, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+            return ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
-        return {}
-    lines: dict[int, bool] = {}
-    for node in tree.body:
-        guarded = isinstance(node, ast.If) and _is_main_test(node.test)
-        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
-            lines[line] = guarded
-    return lines
+        return None
 
 
-def _is_main_test(test: ast.expr) -> bool:
-    """`__name__ == "__main__"`, either way round."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = {s.id for s in sides if isinstance(s, ast.Name)}
-    consts = {s.value for s in sides if isinstance(s, ast.Constant)}
-    return names == {"__name__"} and consts == {"__main__"}
+def _guarded(code_file: str, line: int) -> bool:
+    """Whether the top-level statement at `line` may be guarded: it sits (at any depth: inside
+    a `try`, a `with`, an `else`) in an `if` whose test reads `__name__`. Refuse only what is
+    surely unguarded: True when the source cannot be read or the line is not found."""
+    tree = _parse(code_file)
+    if tree is None:
+        return True
+    nodes: list[ast.AST] = list(tree.body)
+    while True:
+        node = next((n for n in nodes if n.lineno <= line <= (n.end_lineno or n.lineno)), None)  # type: ignore[attr-defined]
+        if node is None:
+            return True
+        if isinstance(node, ast.If) and _reads_name(node.test):
+            return True
+        nodes = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt | ast.excepthandler)]
+        if not nodes:
+            return False
+
+
+def _reads_name(test: ast.expr) -> bool:
+    """The test reads `__name__` (`== "__main__"`, `!= ...`, combined with `and`, ...)."""
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(test))
