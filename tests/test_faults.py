@@ -186,6 +186,25 @@ def test_groups_sent_to_a_fresh_worker_fit(tmp_path, fresh):
         assert eng.stats().failed == 0
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_map_chunks_whose_outputs_do_not_fit_together_deliver_every_item(tmp_path, chunk):
+    """map() of items with 4 MiB outputs (0.5 MiB in) on a 16 MiB arena: automatic chunks are
+    sized to the measured outputs; a chunk given by the caller (16 items: 64 MiB of outputs)
+    runs again item by item. Every item fits alone, so every item succeeds; an item that can
+    never fit fails alone, as ShmCapacityError, at its position."""
+    elements = MiB // 8
+    model = _tile_model(tmp_path / "tile.onnx", elements, 8)
+    items = [{"x": np.full((1, elements), float(i), np.float32)} for i in range(40)]
+    with Engine(model, workers=2, shm_capacity=16 * MiB) as eng:
+        for i, res in enumerate(eng.map(items, chunk=chunk)):
+            np.testing.assert_array_equal(res.outputs["y"], np.tile(items[i]["x"], (1, 8)))
+        items[7] = {"x": np.ones((5, elements), np.float32)}  # 20 MiB of outputs: never fits
+        got = list(eng.map(items, chunk=chunk, return_exceptions=True))
+        assert [i for i, r in enumerate(got) if not hasattr(r, "outputs")] == [7]
+        assert isinstance(got[7], ShmCapacityError)
+        assert eng.stats().state == "ACCEPTING"
+
+
 def test_outputs_that_can_never_fit_fail_as_shm_capacity_error_alone():
     with Engine(None, workers=1, preprocess=PRE, shm_capacity=4 * MiB) as eng:
         futs = _good(eng, 5)

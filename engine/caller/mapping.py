@@ -1,8 +1,9 @@
 """`map()`: items in, outcomes out, in order (or as they finish), with bounded memory.
 
 Tiny items go many to a task (a chunk: one outcome per item), the chunk size following the
-measured run time per item (`_Pace`); an item refused at the door or failing in the worker is
-that item's outcome alone; a chunk that kills workers runs again item by item.
+measured run time per item and the bytes an item takes in and out (`_Pace`); an item refused at
+the door or failing in the worker is that item's outcome alone; a chunk that kills workers, or
+whose outputs cannot fit the output arena together, runs again item by item.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class MapMixin:
         auto = chunk is None and self._chunks_ok()
         size = 1 if chunk is None or not self._chunks_ok() else chunk
         base = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
-        pace = _Pace()
+        pace = _Pace(min(MAX_CHUNK_BYTES, self.config.shm_capacity // (4 * self.config.workers)))
         pending: deque[tuple[Future[Result], list[Any]]] = deque()
         in_flight = 0
         it = iter(items)
@@ -141,8 +142,11 @@ class MapMixin:
         chunk, or an item of one run again alone)."""
         try:
             res = fut.result()
-        except (E.PoisonTask, E.WorkerCrashed) as exc:
-            if len(group) > 1:  # which item kills workers? each alone now: it fails alone
+        except (E.PoisonTask, E.WorkerCrashed, E.ShmCapacityError) as exc:
+            # which item kills workers, or needs more shared memory than the arena holds for
+            # one task? Each alone now: it fails alone (an item that fits alone never fails
+            # for sharing a chunk)
+            if len(group) > 1:
                 futs: list[Future[Result]] = []
                 seen = 0
                 try:
@@ -164,7 +168,7 @@ class MapMixin:
                 self._tally(failed=len(group))
             yield MapPart(len(group), None, exc)
             return
-        pace.observe(res.timings.run, len(group))
+        pace.observe(res.timings.run, len(group), res.outputs)
         if type(res.outputs) is not Chunk:
             if tally:
                 self._tally(completed=1)
@@ -232,15 +236,20 @@ def _next_done(pending: deque[tuple[Future[Result], list[Any]]], ordered: bool) 
 
 class _Pace:
     """map()'s measure of the run time per item (an EWMA over finished tasks), and the chunk
-    size it implies."""
+    size it implies: ~CHUNK_TARGET_S of work, within `max_bytes` of inputs and outputs (a
+    chunk's outputs share one region of the output arena)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_CHUNK_BYTES) -> None:
         self.per_item: float | None = None
         self.item_bytes = 0  # array bytes of the latest item looked at
+        self.out_bytes = 0  # array bytes of the outputs of one item (the latest measured)
+        self.max_bytes = max(max_bytes, 1)
 
-    def observe(self, run_s: float, items: int) -> None:
+    def observe(self, run_s: float, items: int, outputs: Any = None) -> None:
         per = run_s / max(items, 1)
         self.per_item = per if self.per_item is None else 0.8 * self.per_item + 0.2 * per
+        if isinstance(outputs, dict):  # one item's outputs (a chunk's are not looked into)
+            self.out_bytes = sum(v.nbytes for v in outputs.values() if isinstance(v, np.ndarray))
 
     def weigh(self, item: Any) -> None:
         if isinstance(item, dict):
@@ -250,7 +259,7 @@ class _Pace:
         if self.per_item is None:
             return 1  # nothing measured yet: a task per item
         size = max(1, min(MAX_CHUNK, int(CHUNK_TARGET_S / max(self.per_item, 1e-7)),
-                          MAX_CHUNK_BYTES // max(self.item_bytes, 1)))
+                          self.max_bytes // max(self.item_bytes + self.out_bytes, 1)))
         if window:  # keep two tasks per worker in flight within the caller's window
             size = max(1, min(size, window // (2 * workers)))
         return size
