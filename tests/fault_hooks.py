@@ -51,6 +51,11 @@ def pre(item: Any) -> Any:
         return {"y": np.asarray(item["x"]), "lock": threading.Lock()}
     if fault == "twoarg":
         return {"y": np.asarray(item["x"]), "err": TwoArgError("a", "b")}
+    if fault == "deep":  # nested deeper than the recursion limit: cannot be walked or pickled
+        deep: list[Any] = []
+        for _ in range(5000):
+            deep = [deep]
+        return {"y": np.asarray(item["x"]), "deep": deep}
     return {"y": np.asarray(item["x"]) * 2}
 
 

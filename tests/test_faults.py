@@ -110,15 +110,31 @@ def test_a_result_that_does_not_cross_fails_its_own_future(models, fault, match)
         assert eng.stats().restarts == 0 and eng.stats().failed == 1
 
 
-def test_a_chunk_item_whose_result_does_not_cross_fails_alone():
+@pytest.mark.parametrize("fault,error", [("twoarg", TaskDataError), ("deep", SessionRunError)])
+def test_a_chunk_item_whose_result_does_not_cross_fails_alone(fault, error):
     items = [{"x": np.full(3, float(i))} for i in range(300)]
-    items[150] = {"x": np.ones(3), "fault": "twoarg"}
+    items[150] = {"x": np.ones(3), "fault": fault}
     with Engine(None, workers=2, preprocess=PRE) as eng:
         out = list(eng.map(items, chunk=50, return_exceptions=True))
-    assert isinstance(out[150], TaskDataError)
+        _still_serving(eng)
+    assert isinstance(out[150], error)
     for i, r in enumerate(out):
         if i != 150:
             np.testing.assert_array_equal(r.outputs["y"], np.full(3, 2.0 * i))
+
+
+def test_a_result_too_deep_to_walk_fails_alone_among_grouped_tasks():
+    """Tiny tasks go to a worker in groups: one result nested past the recursion limit fails
+    its own task (RecursionError named), not its group."""
+    with Engine(None, workers=1, preprocess=PRE) as eng:
+        _check_good(_good(eng, 200))  # measured: tiny tasks go in groups from here
+        futs = _good(eng, 20)
+        deep = eng.submit({"x": np.ones(3), "fault": "deep"})
+        futs += _good(eng, 20, 20)
+        with pytest.raises(SessionRunError, match="RecursionError"):
+            deep.result(timeout=60)
+        _check_good(futs)
+        _still_serving(eng)
 
 
 # -- 2. groups and stacked batches fit the arenas ----------------------------------------------------

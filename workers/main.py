@@ -421,10 +421,11 @@ class Worker:
                 parts.append((t, None, [], res))
                 continue
             try:
-                skeleton, arrays = packing.split(res)
+                skeleton, arrays = _split(res)
                 if self._seal_results and type(skeleton) is not FlatSkeleton:
                     skeleton = self._seal_result(skeleton)
-            except TypeError as exc:  # TaskDataError included: it is a TypeError
+            except Exception as exc:  # noqa: BLE001 - the task's own data (an object array, a
+                # structure too deep to walk, ...): it fails alone
                 parts.append((t, None, [], remote_error(exc, "data" if isinstance(exc, TaskDataError) else "run")))
                 continue
             parts.append((t, skeleton, arrays, None))
@@ -540,4 +541,22 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 def _rss() -> int:
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def _split(res: Any) -> tuple[Any, list[np.ndarray]]:
+    """packing.split, contained per item for a chunk: an item whose outputs cannot be walked
+    (an object array, a structure too deep) becomes that item's error, the others go on."""
+    try:
+        return packing.split(res)
+    except Exception:
+        if type(res) is not Chunk:
+            raise
+    items = []
+    for out in res:
+        try:
+            packing.split(out)
+            items.append(out)
+        except Exception as exc:  # noqa: BLE001 - that item's own data
+            items.append(remote_error(exc, "run"))
+    return packing.split(Chunk(items))
 

@@ -237,9 +237,9 @@ def unseal(blob: Sealed, what: str) -> Any:
         return pickle.loads(blob)
     except Exception as exc:
         raise TaskDataError(
-            f"{what} was pickled but cannot be unpickled in this process: {type(exc).__name__}: {exc} "
-            "(an exception class whose __init__ takes other arguments than its args, a class "
-            "defined in __main__ under the spawn start method, ...)") from exc
+            f"{what}: pickled, but cannot be unpickled in this process: {type(exc).__name__}: {exc} "
+            "(for example an exception class whose __init__ takes other arguments than its args, "
+            "or a class defined in __main__ under the spawn start method)") from exc
 
 
 def open_result(packed: Packed) -> Packed:
