@@ -389,6 +389,7 @@ def test_the_guard_is_found_at_any_depth_and_only_a_sure_miss_refused(tmp_path, 
     ("shm_capacity", -5), ("shm_capacity", 1000), ("queue_bytes", -1), ("max_batch_wait_ms", -3),
     ("max_batch_wait_ms", float("nan")), ("startup_timeout", 0), ("stall_after", -1.0),
     ("max_tasks_per_worker", 0), ("worker_memory_limit", -1), ("workers", True), ("max_attempts", 0),
+    ("shm_backend", "x"), ("admission", "drop_newest"), ("start_method", "thread"),
 ])
 def test_a_bad_setting_is_refused_by_name(setting, value):
     with pytest.raises(ValueError, match=rf"^{setting} must be .*got {value!r}"):

@@ -112,6 +112,8 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
         kw["providers"] = tuple(kw["providers"])
     if kw.get("admission", "block") not in ("block", "reject", "drop_oldest"):
         raise ValueError(f"admission must be 'block', 'reject' or 'drop_oldest', got {kw['admission']!r}")
+    if kw.get("shm_backend", "memfd") not in ("memfd", "posix"):
+        raise ValueError(f"shm_backend must be 'memfd' or 'posix', got {kw['shm_backend']!r}")
     for name in ("preprocess", "postprocess", "initializer"):
         kw[name] = importable(name, kw.get(name))
     # deep enough that a busy engine can send tasks to a worker in groups (engine.admission)
