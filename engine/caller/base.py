@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, Protocol, Self
@@ -119,6 +120,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         settings["fault_injection"] = settings.pop("_fault_injection")
         self._init_fault = _init_fault
         self.config = resolve(model, **settings)
+        self._weak = weakref.ref(self)  # what a TaskFuture holds: a kept Future keeps no engine alive
         self._start()
 
     # -- what a backend provides ----------------------------------------------------------------
@@ -460,12 +462,14 @@ class TaskFuture(Future[Result]):
 
     slabpool_task: Task
 
-    def __init__(self, frontend: BaseEngine) -> None:
+    def __init__(self, engine: weakref.ReferenceType[BaseEngine]) -> None:
         super().__init__()
-        self._frontend = frontend
+        self._engine = engine
 
     def cancel(self) -> bool:
         if not super().cancel():
             return False
-        self._frontend._on_cancelled(self)
+        eng = self._engine()
+        if eng is not None:  # else the engine was collected, and its shutdown ended the task
+            eng._on_cancelled(self)
         return True

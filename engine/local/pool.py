@@ -155,7 +155,7 @@ class Engine(BaseEngine):
                 self._inputs.release(lease)
             self._queue.unreserve(nbytes)
             raise
-        fut = TaskFuture(self)
+        fut = TaskFuture(self._weak)
         abs_deadline = None if deadline is None else time.monotonic() + deadline
 
         def make(task_id: int) -> Task:

@@ -131,7 +131,7 @@ class RayEngine(BaseEngine):
         except BaseException:
             self._queue.unreserve()
             raise
-        fut = TaskFuture(self)
+        fut = TaskFuture(self._weak)
         abs_deadline = None if deadline is None else time.monotonic() + deadline
 
         def make(task_id: int) -> Task:
