@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
-from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -312,30 +312,66 @@ def test_task_timeout_holds_per_task_inside_a_group():
 # -- 7. a stalled worker ---------------------------------------------------------------------------
 
 
-def test_work_sent_ahead_to_a_stalled_worker_runs_elsewhere(caplog):
+def test_a_worker_stopped_while_idle_keeps_no_work(caplog):
+    """SIGSTOP while it holds no task: what is sent to it, its next batch included, is taken
+    back after stall_after and runs on the other slot; nothing waits for it."""
     with Engine(None, workers=2, preprocess=PRE, stall_after=0.5) as eng:
-        _check_good(_good(eng, 200))
+        _check_good(_good(eng, 200))  # tiny tasks go in groups from here
         stopped = eng.stats().slots[0].pid
         os.kill(stopped, signal.SIGSTOP)
         try:
             with caplog.at_level(logging.WARNING, logger="slabpool.engine"):
-                futs = _good(eng, 60)
-                done, stuck = wait(futs, timeout=60)
-                head = {t.id for t in eng._sup.slots[0].batches[0].tasks}  # what it has in hand
-                assert stuck and {f.slabpool_task.id for f in stuck} <= head
-                assert any("slot 0" in r.getMessage() and "no progress" in r.getMessage() for r in caplog.records)
-            for f in done:
-                assert f.exception() is None
+                _check_good(_good(eng, 60))
+                for i, res in enumerate(eng.map({"x": np.full(3, float(i))} for i in range(500))):
+                    np.testing.assert_array_equal(res.outputs["y"], np.full(3, 2.0 * i))
+            assert any("slot 0" in r.getMessage() and "has not taken" in r.getMessage() for r in caplog.records)
             _still_serving(eng)
+            closer = threading.Thread(target=eng.close)  # no timeout: it holds no task to wait for
+            closer.start()
+            closer.join(60)  # only a deadlock reaches it
+            assert not closer.is_alive() and eng.state is EngineState.CLOSED
+        finally:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def test_work_sent_ahead_to_a_worker_stalled_in_a_task_runs_elsewhere(caplog):
+    """SIGSTOP while it runs a task: that task stays in hand (it may still finish); what was
+    sent ahead runs elsewhere; close(timeout=) returns and cancels the task in hand."""
+    with Engine(None, workers=2, preprocess=PRE, stall_after=0.5) as eng:
+        _check_good(_good(eng, 200))
+        hung = eng.submit({"x": np.ones(3), "fault": "hang"})
+        slot = _slot_holding(eng, hung.slabpool_task.id)
+        stopped = eng.stats().slots[slot].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger="slabpool.engine"):
+                _check_good(_good(eng, 60))
+                assert any(f"slot {slot}" in r.getMessage() and "no progress" in r.getMessage()
+                           for r in caplog.records)
+            _still_serving(eng)
+            assert not hung.done()
             eng.close(timeout=1.0)  # returns: the stalled worker is killed
         finally:
             try:
                 os.kill(stopped, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        for f in stuck:
-            with pytest.raises(TaskCancelled):
-                f.result(timeout=10)
+        with pytest.raises(TaskCancelled):
+            hung.result(timeout=10)
+
+
+def _slot_holding(eng: Engine, task_id: int) -> int:
+    """The slot whose worker has the task in hand (its status word), once it has."""
+    deadline = time.monotonic() + 60  # only a deadlock reaches it
+    while time.monotonic() < deadline:
+        for i in range(len(eng._sup.slots)):
+            if int(eng._sup.status[i, 0]) == task_id:
+                return i
+        time.sleep(0.01)
+    raise AssertionError(f"no worker took task {task_id}")
 
 
 # -- 8. errors that show their cause ---------------------------------------------------------------

@@ -37,6 +37,7 @@ from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.errors import Crash, crash_hint, describe_exit
 from slabpool.workers.main import WorkerBoot
+from slabpool.workers.pipeline import IDLE
 from slabpool.workers.protocol import (
     BatchDone,
     FlatSkeleton,
@@ -120,7 +121,8 @@ class Supervisor(Dispatcher, OwnerThread):
             return True
         if self.closing is None:
             return False
-        return len(self.queue) == 0 and all(not s.batches for s in self.slots)
+        # a batch taken back from a stalled worker holds no task: close() does not wait for it
+        return len(self.queue) == 0 and all(b.revoked for s in self.slots for b in s.batches)
 
     # -- messages from workers (steps 8-9) ------------------------------------------------------
 
@@ -329,15 +331,22 @@ class Supervisor(Dispatcher, OwnerThread):
         sent ahead to it (on copies of the inputs: it may still read the originals)."""
         slot.stalled_since = now
         head = slot.batches[0]
+        idle = int(self.status[slot.index, 0]) == IDLE  # it has not taken a task of its head yet
+        held, ids, since = len(head.tasks), [t.id for t in head.tasks][:8], now - (head.started_at or now)
         moved = []
-        for b in list(slot.batches)[1:]:
+        for b in list(slot.batches)[0 if idle else 1 :]:
             if not b.revoked and self._revoke(slot, b):
                 moved.append(len(b.pinned))
+        if idle:
+            log.warning(
+                "slot %d (pid %d) has not taken the batch of %d task(s) sent to it %.1f s ago (task ids "
+                "%s); it gets no more work, and the %d task(s) it held run elsewhere.", slot.index, slot.pid,
+                held, since, ids, sum(moved))
+            return
         log.warning(
             "slot %d (pid %d) has made no progress for %.1f s on its running batch of %d task(s) (task "
             "ids %s); it gets no more work, and the %d task(s) sent ahead to it run elsewhere. Set "
-            "task_timeout to stop a task that runs too long.", slot.index, slot.pid, now - (head.started_at or now),
-            len(head.tasks), [t.id for t in head.tasks][:8], sum(moved))
+            "task_timeout to stop a task that runs too long.", slot.index, slot.pid, since, held, ids, sum(moved))
 
     def _revoke(self, slot: Slot, batch: Batch) -> bool:
         """Take back a batch sent ahead: its tasks to the queue with copies of their inputs."""
