@@ -1,26 +1,34 @@
 """CLI data safety (issue 13, item 10): the job never destroys or invents data.
 
--o equal to INPUT (or inside an INPUT folder) is refused; outputs named like np.savez's own
-keywords are stored; a journal line that claims rows its shard does not hold is an error on
-resume, never NaN rows with exit 0; the resume hint never repeats --overwrite; Ctrl-C at any
-moment (a storm of them) ends in 130 without a traceback; a wrong-dtype INPUT is one error up
-front; --resume with --overwrite is refused.
+-o equal to INPUT (or inside an INPUT folder) is refused; an OUTPUT that exists and no job made
+is refused without --overwrite (a rerun of a job's own OUTPUT resumes); outputs named like
+np.savez's own keywords are stored; a journal line that claims rows its shard does not hold is
+an error on resume, never NaN rows with exit 0; the resume hint never repeats --overwrite;
+Ctrl-C at any moment (a storm of them) ends in 130 without a traceback; a wrong-dtype INPUT is
+one error up front; --resume with --overwrite is refused; a full disk (a real tmpfs) names the
+file and --resume completes the job once space is freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-from slabpool.engine.job.store import savez
+from slabpool.engine.job.store import read_output, savez, write_atomic
+from tests.models.onnx_models import mlp_reference
 from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, jsonl, rows, slabpool, wait_until
 
 
@@ -45,6 +53,52 @@ def test_output_equal_to_input_is_refused(tmp_path: Path, models: SimpleNamespac
     assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["a.txt"]
 
 
+def test_an_existing_output_no_job_made_is_refused(tmp_path: Path, models: SimpleNamespace) -> None:
+    """A file (or a folder of files) at -o that no job wrote is never replaced without a word:
+    one line naming it and --overwrite, exit 1, the bytes untouched; --overwrite replaces it."""
+    np.save(tmp_path / "in.npy", rows(4))
+    run = ("run", models.mlp, tmp_path / "in.npy", "--workers", 1)
+    np.save(tmp_path / "precious.npy", np.arange(3))
+    for name in ("precious.npy", "precious.npz", "precious.parquet"):
+        out = tmp_path / name
+        if not out.exists():
+            out.write_bytes(b"precious")
+        before = out.read_bytes()
+        for again in ((), ("--resume",)):
+            p = slabpool(*run, "-o", out, *again)
+            one_line(p, f"OUTPUT {out} exists and no slabpool job wrote it")
+            assert "pass --overwrite to replace it" in p.stderr
+            assert out.read_bytes() == before and not Path(f"{out}.parts").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.json").write_text("mine\n")
+    one_line(slabpool(*run, "-o", mine), f"OUTPUT {mine} is a folder of other files")
+    assert [p.name for p in mine.iterdir()] == ["report.json"] and (mine / "report.json").read_text() == "mine\n"
+    one_line(slabpool(*run, "-o", mine / "report.json"), "is a file, not a folder")
+    (tmp_path / "dir.npz").mkdir()
+    one_line(slabpool(*run, "-o", tmp_path / "dir.npz", "--overwrite"), "is a folder, not a .npz file")
+    p = slabpool(*run, "-o", tmp_path / "precious.npy", "--overwrite")
+    assert p.returncode == 0, p.stderr
+    assert np.load(tmp_path / "precious.npy").shape == (4, 8)
+
+
+def test_a_rerun_of_a_job_on_its_own_output_is_not_refused(tmp_path: Path, models: SimpleNamespace) -> None:
+    """OUT exists because this job wrote it: the same command (or --resume) finds every item
+    durable; --overwrite computes them again. An empty folder holds nothing to lose."""
+    np.save(tmp_path / "in.npy", rows(4))
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "o.npy", tmp_path / "o.npz", tmp_path / "empty"):
+        run = ("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1)
+        assert slabpool(*run).returncode == 0
+        for again in ((), ("--resume",)):
+            p = slabpool(*run, *again)
+            assert p.returncode == 0 and "all already durable" in p.stdout, p.stdout + p.stderr
+        p = slabpool(*run, "--overwrite")
+        assert p.returncode == 0 and "computed 4 this run" in p.stdout, p.stdout + p.stderr
+        parts = out if out.is_dir() else Path(f"{out}.parts")
+        assert json.loads((parts / "report.json").read_text())["computed_this_run"] == 4
+
+
 def test_outputs_named_like_savez_keywords(tmp_path: Path, models: SimpleNamespace) -> None:
     x = rows(5)
     np.save(tmp_path / "in.npy", x)
@@ -52,8 +106,6 @@ def test_outputs_named_like_savez_keywords(tmp_path: Path, models: SimpleNamespa
         p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1,
                      "--postprocess", "tests.cli_hooks:named_like_savez")
         assert p.returncode == 0, p.stderr
-    from slabpool.engine.job.store import read_output
-
     with np.load(tmp_path / "o.npz") as z:
         got = dict(z)
     for arrays in (got, read_output(tmp_path / "folder")):
@@ -162,3 +214,80 @@ def test_resume_and_overwrite_together_are_refused(tmp_path: Path, models: Simpl
     np.save(tmp_path / "in.npy", rows(3))
     one_line(slabpool("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npy", "--resume", "--overwrite"),
              "not allowed with argument")
+
+
+# -- a full disk: a real tmpfs, filled -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted on `folder` (skips where mounting is not permitted), unmounted
+    after, whatever happened."""
+    folder.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A ballast file that leaves about `leave` bytes free on `disk`."""
+    ballast = disk / "ballast"
+    free = shutil.disk_usage(disk).free
+    with open(ballast, "wb") as f:
+        f.write(b"\0" * max(free - leave, 0))
+    return ballast
+
+
+def test_write_atomic_reports_a_full_disk_once_naming_the_file(tmp_path: Path) -> None:
+    """A buffered write (a .npz) that runs out of space: closing the file fails the same way
+    again, and that bare "[Errno 28]" must not replace the error that names the file."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        path = disk / "a.npz"
+        with pytest.raises(OSError, match=rf"could not write {path}: no space left on device") as info:
+            write_atomic(path, lambda f: savez(f, {"x": np.zeros(1 << 19, np.float32)}))
+        assert "bytes free there" in str(info.value)
+        assert not list(disk.iterdir())  # no torn file either
+
+
+def read_probs(out: Path) -> np.ndarray:
+    if out.suffix == ".npy":
+        return np.load(out)
+    if out.suffix == ".npz":
+        with np.load(out) as z:
+            return z["probs"]
+    if out.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(out).column("probs").combine_chunks().flatten().to_numpy().reshape(-1, 8)
+    return read_output(out)["probs"]
+
+
+@pytest.mark.parametrize("name", ["o.npy", "o.npz", "folder", "o.parquet"])
+def test_a_full_disk_names_the_file_and_resume_completes(tmp_path: Path, models: SimpleNamespace, name: str) -> None:
+    """The OUTPUT's disk fills up: one line that says so, names the file and says --resume;
+    no temporary file stays. Once space is freed, --resume completes the same rows."""
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
+    x = rows(100_000)  # 3.2 MB of probs, 6.4 MB with logits: more than the 1 MB left
+    np.save(tmp_path / "in.npy", x)
+    with small_disk(tmp_path / "disk", "32m") as disk:
+        ballast = fill(disk, 1 << 20)
+        out = disk / name
+        run = ("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1)
+        p = slabpool(*run)
+        one_line(p, "no space left on device")
+        assert f"could not write {disk}/" in p.stderr and f"resume with: slabpool run {models.mlp}" in p.stderr
+        assert "--resume" in p.stderr and "[Errno 28] No space left on device\n" not in p.stderr
+        assert not list(disk.rglob(".*.tmp-*"))
+        ballast.unlink()
+        p = slabpool(*run, "--resume")
+        assert p.returncode == 0, p.stderr
+        np.testing.assert_allclose(read_probs(out), mlp_reference(x)["probs"], rtol=1e-5, atol=1e-6)

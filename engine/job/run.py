@@ -35,6 +35,7 @@ the summary), `sources`, `store`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import multiprocessing
@@ -72,14 +73,32 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
     source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
     source.choose_keep(spec.keep)
     direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
-    store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite,
-                       parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep},
-                       direct=direct, count=source.count)
     try:
-        with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
-            return _run_on(spec, source, store, t0, limit, intr, stream)
-    finally:
-        store.close()
+        store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite,
+                           parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep},
+                           direct=direct, count=source.count)
+        try:
+            with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
+                return _run_on(spec, source, store, t0, limit, intr, stream)
+        finally:
+            store.close()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise JobError(_no_space(spec, exc)) from exc
+
+
+def _no_space(spec: JobSpec, exc: OSError) -> str:
+    """A full disk stops the job, but what was journaled stays durable (a half-written row or
+    shard never counts): the message names the file and says how to go on once space is freed."""
+    what = exc.strerror or "no space left on device"
+    if exc.filename is not None:  # straight from the kernel, not from store.files.write_error
+        what = f"could not write {exc.filename}: no space left on device ({exc.strerror})"
+    command = spec.command if "--resume" in spec.command.split() else f"{spec.command} --resume"
+    again = f"resume with: {command}"
+    if spec.stdin or not (spec.parts / "manifest.json").exists():  # --resume would be refused
+        again = "rerun the same command" + (" with the same input on stdin" if spec.stdin else "")
+    return f"{what}. What is durable stays: free space there, then {again}"
 
 
 def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, limit: FailureLimit, intr: Interrupts,
@@ -172,9 +191,11 @@ class JobRun:
             self.interrupted = intr.signum if intr.count else 0
         finally:
             self.processing_s = time.monotonic() - t1
-            self.collector.commit()
-            self.stats = eng.stats()
-            eng.close(cancel_pending=True, timeout=10)
+            try:
+                self.collector.commit()
+            finally:  # a commit that fails (a full disk) still stops the workers
+                self.stats = eng.stats()
+                eng.close(cancel_pending=True, timeout=10)
 
     def _check_outputs(self) -> None:
         """A model output of strings cannot go to .npy/.npz: refused before any work."""

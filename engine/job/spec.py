@@ -95,12 +95,19 @@ class JobSpec:
 
 
 def check_paths(spec: JobSpec) -> None:
-    """OUTPUT must never be (or lie inside) INPUT or MODEL; stdin cannot be resumed."""
+    """OUTPUT must never be (or lie inside) INPUT or MODEL, nor replace what no job of ours
+    wrote; stdin cannot be resumed."""
     if spec.stdin:
         if spec.resume:
             raise JobError("--resume cannot replay stdin: rerun the same command with the same input on "
                            "stdin (what is durable is skipped), or save the input to a file")
-        return
+    else:
+        _check_sources(spec)
+    _check_existing(spec)
+
+
+def _check_sources(spec: JobSpec) -> None:
+    """Writing OUTPUT must not destroy INPUT or MODEL, nor add files to the INPUT folder."""
     targets = {spec.output.resolve(), spec.parts.resolve()}
     for what, path in (("INPUT", spec.input.resolve()), ("MODEL", spec.model.resolve() if spec.model else None)):
         if path is None:
@@ -110,6 +117,30 @@ def check_paths(spec: JobSpec) -> None:
         if path.is_dir() and any(t.is_relative_to(path) for t in targets):
             raise JobError(f"OUTPUT {spec.output} lies inside the {what} folder {spec.input}: its files would "
                            "become items; choose an OUTPUT outside it")
+
+
+def _check_existing(spec: JobSpec) -> None:
+    """An OUTPUT that exists is written over only when a job made it (its parts folder holds a
+    manifest: the rerun resumes, and Store.open refuses another job's), or with --overwrite.
+    Anything else (a file saved by hand, a folder of other files) would be lost without a word."""
+    out = spec.output
+    if not (out.exists() or out.is_symlink()):
+        return
+    if spec.single_file and out.is_dir():
+        raise JobError(f"OUTPUT {out} is a folder, not a {out.suffix} file; choose another OUTPUT")
+    if not spec.single_file and not out.is_dir():
+        raise JobError(f"OUTPUT {out} is a file, not a folder (a folder OUTPUT is named without "
+                       ".npy/.npz/.parquet); choose another OUTPUT")
+    manifest = spec.parts / "manifest.json"
+    if spec.overwrite or manifest.exists():
+        return
+    if not out.is_dir():
+        raise JobError(f"OUTPUT {out} exists and no slabpool job wrote it (no {manifest}): pass --overwrite "
+                       "to replace it, or choose another OUTPUT")
+    if any(p.name != ".lock" for p in out.iterdir()):  # an empty folder has nothing to lose
+        raise JobError(f"OUTPUT {out} is a folder of other files, not a slabpool job's (no {manifest}): pass "
+                       "--overwrite to write the job into it (files named like a job's are replaced), or "
+                       "choose another OUTPUT")
 
 
 def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from slabpool.engine.job.parquet import Schema
-from slabpool.engine.job.store.files import write_json
+from slabpool.engine.job.store.files import write_error, write_json
 from slabpool.engine.job.store.rows import blank
 
 Array = npt.NDArray[Any]
@@ -41,7 +41,10 @@ class DirectFiles:
         for path, name in zip(files.paths, names, strict=True):
             path.unlink(missing_ok=True)  # a new inode: an old OUTPUT hard-linked to it stays as it was
             dtype, shape = schema[name]
-            mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=(count, *shape))
+            try:
+                mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=(count, *shape))
+            except OSError as exc:
+                raise write_error(path, exc) from exc
             del mm  # a sparse file of the right size: nothing written yet
         write_json(folder / "schema.json", {"schema": {k: [d, list(sh)] for k, (d, sh) in schema.items()},
                                             "names": names, "count": count})
@@ -78,15 +81,20 @@ class DirectFiles:
     def write(self, indices: Array, columns: dict[str, Any], runs: list[tuple[int, int, int]]) -> None:
         """Rows of `columns` (row k is item indices[k]) at their place; `runs`: (first item,
         first row k, length) of each stretch of consecutive items."""
-        for name, fd, off, width in zip(self.names, self.fds, self.offsets, self.row_nbytes, strict=True):
+        for name, path, fd, off, width in zip(self.names, self.paths, self.fds, self.offsets, self.row_nbytes,
+                                              strict=True):
             a = np.ascontiguousarray(np.asarray(columns[name], dtype=np.dtype(self.schema[name][0])))
             raw = a.reshape(-1).view(np.uint8).data
             for item, k, n in runs:
-                _pwrite_all(fd, raw[k * width : (k + n) * width], off + item * width)
+                _pwrite_all(path, fd, raw[k * width : (k + n) * width], off + item * width)
 
     def sync(self) -> None:
-        for fd in self.fds:
-            os.fdatasync(fd)
+        """fdatasync every file; a failure (a full disk found at writeback) names the file."""
+        for path, fd in zip(self.paths, self.fds, strict=True):
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                raise write_error(path, exc) from exc
 
     def crc(self, ranges: Iterable[tuple[int, int]], crc: int = 0) -> int:
         """CRC-32 of the rows of `ranges`, every output in turn (as a commit computes it)."""
@@ -110,17 +118,23 @@ class DirectFiles:
         if not indices:
             return
         rows = blank({n: self.schema[n] for n in self.names}, 1)
-        for name, fd, off, width in zip(self.names, self.fds, self.offsets, self.row_nbytes, strict=True):
+        for name, path, fd, off, width in zip(self.names, self.paths, self.fds, self.offsets, self.row_nbytes,
+                                              strict=True):
             raw = rows[name].tobytes()
             for i in indices:
-                _pwrite_all(fd, raw, off + i * width)
+                _pwrite_all(path, fd, raw, off + i * width)
 
 
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+def _pwrite_all(path: Path, fd: int, data: memoryview | bytes, offset: int) -> None:
+    """Every byte at `offset`. The files are sparse: a row takes its disk space only when it is
+    written, so a full disk shows here, and the error must name the file (the kernel's does not)."""
     view = memoryview(data)
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    try:
+        while view.nbytes:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    except OSError as exc:
+        raise write_error(path, exc) from exc
 
 
 def item_runs(indices: Array) -> list[tuple[int, int, int]]:

@@ -23,14 +23,18 @@ Array = npt.NDArray[Any]
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write to a temporary file beside `path`, fsync, rename over it, fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    f: IO[bytes] | None = None
     try:
-        with open(tmp, "wb") as f:
-            try:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as exc:
-                raise _write_error(path, exc) from exc
+        try:
+            f = open(tmp, "wb")
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+        finally:
+            _close_quietly(f)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -38,7 +42,34 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     fsync_dir(path.parent)
 
 
-def _write_error(path: Path, exc: OSError) -> OSError:
+def _close_quietly(f: IO[bytes] | None) -> None:
+    """Close after a failed write: the close flushes what the write left in the buffer, fails
+    the same way again, and that second error must not replace the first (it names no file)."""
+    if f is None:
+        return
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
+def append_synced(path: Path, data: bytes) -> None:
+    """Append `data` to `path` and fsync it (a journal line). Unbuffered: a failed write is
+    reported once, naming the file; a torn line is dropped when the journal is read back."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+
+
+def write_error(path: Path, exc: OSError) -> OSError:
     """A failed write that names the file and the cause. numpy reports a short write (a full
     disk, a file size limit) as "N requested and M written", with no errno and no path."""
     code = exc.errno

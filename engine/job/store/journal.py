@@ -24,7 +24,7 @@ from slabpool.engine.job.parquet import Schema
 from slabpool.engine.job.sources import JobError
 from slabpool.engine.job.store import shards
 from slabpool.engine.job.store.direct import DirectFiles, crc_of, item_runs
-from slabpool.engine.job.store.files import digest, write_atomic, write_json
+from slabpool.engine.job.store.files import append_synced, digest, write_atomic, write_json
 
 Array = npt.NDArray[Any]
 
@@ -309,10 +309,7 @@ class Store:
         return entry
 
     def _journal(self, entry: Entry) -> None:
-        with open(self.journal, "a") as j:
-            j.write(json.dumps(entry.as_json()) + "\n")
-            j.flush()
-            os.fsync(j.fileno())
+        append_synced(self.journal, (json.dumps(entry.as_json()) + "\n").encode())
         self.entries.append(entry)
 
     def shard_rows(self) -> Iterator[tuple[Array, dict[str, Array]]]:

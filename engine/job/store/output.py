@@ -16,7 +16,7 @@ import numpy as np
 from slabpool.engine.job.parquet import Schema
 from slabpool.engine.job.store import shards
 from slabpool.engine.job.store.direct import item_runs
-from slabpool.engine.job.store.files import Array, fsync_dir, savez, write_atomic
+from slabpool.engine.job.store.files import Array, fsync_dir, savez, write_atomic, write_error
 from slabpool.engine.job.store.journal import Store
 from slabpool.engine.job.store.rows import blank
 
@@ -43,7 +43,11 @@ def publish(store: Store, output: Path) -> tuple[bool, str | None]:
     try:
         os.link(files.paths[0], tmp)
     except OSError:  # no hard links here: a copy
-        shutil.copyfile(files.paths[0], tmp)
+        try:
+            shutil.copyfile(files.paths[0], tmp)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_error(output, exc) from exc
     os.replace(tmp, output)
     fsync_dir(output.parent)
     if len(files.schema) > 1:
