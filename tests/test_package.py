@@ -64,6 +64,13 @@ def test_layers_point_one_way(layer: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_no_engine_module_is_longer_than_500_lines() -> None:
+    """A module a newcomer reads whole: past 500 lines it holds more than one thing."""
+    long = {str(p.relative_to(REPO)): n for p in sorted((REPO / "engine").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
 def test_the_subpackages_are_the_root_folders() -> None:
     for layer in ALLOWED:
         module = __import__(f"slabpool.{layer}", fromlist=["_"])
