@@ -16,6 +16,7 @@ Skipped, with the reason, when Ray, `unshare` or `ip` is missing, or without roo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -98,19 +99,30 @@ def inner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[s
 
 
 def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
-    """Every process still in the inner run's network namespace, SIGKILLed and listed."""
+    """Every process still in the inner run's network namespace once those that see the inner
+    pytest gone have had time to exit (multiprocessing's resource tracker reads EOF, then
+    cleans up): SIGKILLed and listed."""
     if not netns_file.exists():
         return []
     ns = netns_file.read_text().strip()
-    left = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    deadline = time.monotonic() + 15  # only a leak reaches it
+    while (left := _in_namespace(ns)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, _ in left:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    return left
+
+
+def _in_namespace(ns: str) -> list[tuple[int, str]]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
-            if os.readlink(f"/proc/{p.pid}/ns/net") == ns:
-                left.append((p.pid, " ".join(p.info["cmdline"] or [])))
-                p.kill()
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.readlink(f"/proc/{p.pid}/ns/net") == ns:
+                found.append((p.pid, " ".join(p.info["cmdline"] or [])))
         except (OSError, psutil.Error):
             continue
-    return left
+    return found
 
 
 def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
