@@ -531,6 +531,23 @@ def test_a_slot_rebuilt_after_a_reload_runs_the_new_model(
     assert res.outputs["probs"].tobytes() == ort_run(v2, {"x": rows(3)})["probs"].tobytes()
 
 
+def test_a_reload_that_outlives_its_timeout_still_takes_effect(backend: str, models: SimpleNamespace) -> None:
+    """reload(timeout=) stops waiting, the swap goes on, and when it ends the engine takes the
+    new model: its inputs at submit(), its version."""
+    if backend == DELEGATED:
+        return
+    image = np.ones((1, 3, 16, 16), np.float32)
+    with build(backend, models.mlp) as eng:
+        v1 = eng.model_version
+        with pytest.raises(TimeoutError, match="it goes on"):
+            eng.reload(models.convnet, allow_signature_change=True, timeout=0.001)  # a slot takes longer
+        wait_until(lambda: eng.model_version != v1, timeout=120)
+        out = eng.submit({"image": image}).result(timeout=60)
+        assert [s.name for s in eng.describe().inputs] == ["image"]
+        assert {s.model_version for s in eng.stats().slots} == {eng.model_version}
+    assert out.model_version == eng.model_version and out.outputs["probs"].shape == (1, 10)
+
+
 def test_reload_after_close_is_refused(backend: str, models: SimpleNamespace, v2: Path) -> None:
     if backend == DELEGATED:
         return

@@ -389,13 +389,13 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         if old is None:
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
         spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path))
-        plan = self._reload_plan(spec, old, drain_slot, allow_signature_change)
+        plan = self._reload_plan(spec, old, drain_slot, allow_signature_change, apply=_applier(self._weak))
         self._owner.call(self._owner.start_reload, plan).result()  # EngineClosed once it has stopped
         if not plan.done.wait(timeout):
-            raise TimeoutError(f"reload still in progress after {timeout} s (it goes on)")
+            raise TimeoutError(f"reload still in progress after {timeout} s (it goes on, and the "
+                               "engine takes the new model when it ends)")
         if plan.error is not None:
             raise plan.error
-        self._set_specs(plan.info)
         return self.model_version
 
     def __enter__(self) -> Self:
@@ -455,6 +455,18 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
 
+
+
+def _applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], None]:
+    """What a reload plan calls on the owner thread once it has swapped every slot: the
+    engine's inputs and version become the new model's (weakly: the plan keeps no engine)."""
+
+    def apply(info: SessionInfo) -> None:
+        eng = ref()
+        if eng is not None:
+            eng._set_specs(info)
+
+    return apply
 
 class TaskFuture(Future[Result]):
     """The Future of one task. Its cancel() of a queued task also takes the task out of the

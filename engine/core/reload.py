@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -43,6 +44,7 @@ class ReloadPlan:
     error: BaseException | None = None
     info: SessionInfo | None = None  # the new model's, once a slot runs it
     then: ReloadPlan | None = None  # the failed swap this one rolls back: its caller waits for us
+    apply: Callable[[SessionInfo], None] | None = None  # the caller's side takes the new model
     _at: int = 0  # the position in `order` of the slot being swapped
 
     @property
@@ -73,10 +75,15 @@ class ReloadPlan:
         """The swap that puts the old model back on these slots; the caller of this one waits
         for it, so that when reload() raises, the old model serves on every slot."""
         return dataclasses.replace(self, spec=self.old, old=self.spec, drain=True, allow_change=True,
-                                   order=order, done=threading.Event(), error=None, info=None, then=self, _at=0)
+                                   order=order, done=threading.Event(), error=None, info=None, then=self,
+                                   apply=None, _at=0)
 
     def settle(self) -> None:
-        """The swap has ended (and the swap it rolled back, if any): wake the caller."""
+        """The swap has ended (and the swap it rolled back, if any): on success the caller's
+        side takes the new model (its inputs, its version) even if reload() stopped waiting;
+        then the caller wakes."""
+        if self.error is None and self.info is not None and self.apply is not None:
+            self.apply(self.info)
         self.done.set()
         if self.then is not None:
             self.then.settle()

@@ -121,6 +121,7 @@ class SlotProcesses:
         self.status[slot.index, 0:2] = IDLE, 0
         boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index], self.status_offset(slot.index))
         slot.spawn(self.ctx, boot, self.inputs.fd, self.outputs.fd)
+        slot.spec = self.specs[slot.index]
 
     def respawn(self, slot: Slot) -> None:
         """Rebuild a dead slot now (no back-off)."""

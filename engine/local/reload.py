@@ -22,9 +22,14 @@ if TYPE_CHECKING:
 __all__ = ["Reload", "SignatureChanged"]
 
 
+RELOAD_RETRIES = 2  # start-up deaths of a swapped slot, not reported by its session, retried
+
+
 @dataclass(eq=False)
 class Reload(ReloadPlan):
     """A swap of local workers, driven by the supervisor thread."""
+
+    retries: int = 0  # start-up deaths retried (for the slot being swapped)
 
     def start(self, sup: Supervisor) -> None:
         self.order = self.order or [s.index for s in sup.slots]
@@ -35,7 +40,9 @@ class Reload(ReloadPlan):
         sup.replace_slot(slot, drain=self.drain)
 
     def _current(self, sup: Supervisor, slot: Slot) -> bool:
-        return not self.done.is_set() and slot.index == self.at and sup.specs[slot.index] is self.spec
+        """The slot being swapped, in an incarnation started on our spec (not one that was
+        already starting on the old model when the swap reached it)."""
+        return not self.done.is_set() and slot.index == self.at and slot.spec is self.spec
 
     def on_ready(self, sup: Supervisor, slot: Slot) -> None:
         """The slot's new incarnation is up: check its signature, then swap the next slot."""
@@ -48,14 +55,20 @@ class Reload(ReloadPlan):
             sup.end_reload(self, slot.info)
             self.settle()
         else:
+            self.retries = 0
             self._swap(sup, sup.slots[self.at])
 
     def on_start_failed(self, sup: Supervisor, slot: Slot, why: BaseException) -> bool:
         """The new model did not load: put the old one back and stop. True if it was ours to
-        handle; a rollback whose model no longer loads leaves the slot to the supervisor's
-        start-up retries (and their limit)."""
+        handle. A death that the session did not report (a signal: a kill from outside, or a
+        crash in native code) is retried RELOAD_RETRIES times first, as a start-up death is; a
+        rollback whose model no longer loads leaves the slot to the supervisor's start-up
+        retries (and their limit)."""
         if not self._current(sup, slot):
             return False
+        if slot.init_error is None and self.retries < RELOAD_RETRIES:
+            self.retries += 1
+            return False  # the supervisor starts it again, on the new model, after a back-off
         self._fail(sup, slot, SessionInitError(
             f"the new model failed to load on slot {slot.index}; the old model keeps serving: {why}"))
         return self.then is None

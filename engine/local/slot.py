@@ -39,6 +39,7 @@ class Slot:
         self.restarts = 0
         self.startup_failures = 0
         self.init_error: Any = None  # the InitFailed error of the current incarnation
+        self.spec: Any = None  # the SessionSpec the current incarnation was started on
         self.respawn_at: float | None = None
         self.kill_reason: KillReason | None = None  # why we are killing it (None: we are not)
         self.kill_escalate_at: float | None = None
