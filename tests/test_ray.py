@@ -433,6 +433,36 @@ def test_poison_task_is_quarantined(backend: str, models: SimpleNamespace) -> No
     assert (stats.completed, stats.failed, stats.quarantined) == (5, 1, 1)
 
 
+def test_an_engine_dropped_without_close_is_collected_and_stops(backend: str, models: SimpleNamespace) -> None:
+    """Nothing the owner thread keeps refers to the engine: dropped, it is collected at once
+    (a Future kept by the caller refers to it weakly), says so, and stops its workers/actors."""
+    if backend == DELEGATED:
+        return
+    import gc
+    import warnings
+    import weakref
+
+    eng = build(backend, models.mlp)
+    kept = eng.submit({"x": rows(0)})
+    kept.result(60)
+    pids = [s.pid for s in eng.stats().slots]
+    ref = weakref.ref(eng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del eng
+        gc.collect()
+    assert ref() is None and kept.done()
+    assert any(issubclass(w.category, ResourceWarning) and "without close()" in str(w.message) for w in caught)
+    wait_until(lambda: not any(_running(p) for p in pids), timeout=60)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 # -- hot model swaps --------------------------------------------------------------------------
 
 

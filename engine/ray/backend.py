@@ -29,10 +29,12 @@ sleeps on one inbox that Ray's completion callbacks and callers feed), `actor.Sl
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -98,21 +100,21 @@ class RayEngine(BaseEngine):
             if address is not None:
                 init["address"] = address
             ray.init(**init)
-        self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, self._wake)
+        # nothing the ledger thread keeps may refer to the engine (a dropped one is collected,
+        # and its finalizer stops the actors): no bound methods of it, a weak reference
+        self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, _no_wake)
         self._metrics = Metrics()
         try:
             self._ledger = _Ledger(self.config, self._queue, self._metrics, cpus_per_slot, actor_options)
+            self._queue.set_wake(self._ledger.wake)
             self._owner = self._ledger
-            self._ledger.on_stopped = self._mark_closed  # once every actor is killed
+            self._ledger.on_stopped = functools.partial(_on_stopped, weakref.ref(self))  # every actor killed
             self._ledger.start()
         except BaseException:
             self._shutdown_ray()
             raise
         self._set_specs(self._ledger.info)
-        self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger)
-
-    def _wake(self) -> None:
-        self._ledger.wake()
+        self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger, self._owns_ray)
 
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
@@ -150,6 +152,7 @@ class RayEngine(BaseEngine):
             task.future.set_exception(error)
 
     def _after_close(self) -> None:
+        self._finalizer.detach()  # closed: nothing is left for a collection to stop
         self._shutdown_ray()  # if this engine started Ray
 
     def _shutdown_ray(self) -> None:
@@ -200,8 +203,26 @@ def _slot_stats(s: _RaySlot) -> SlotStats:
     )
 
 
-def _emergency_stop(ledger: _Ledger) -> None:
-    """The engine was dropped without close(): kill the actors rather than leak them."""
+def _no_wake() -> None:
+    """The queue's wake-up until the ledger exists."""
+
+
+def _on_stopped(ref: weakref.ReferenceType[RayEngine]) -> None:
+    """Called by the ledger thread once every actor is killed: the engine, if it still exists,
+    is CLOSED."""
+    engine = ref()
+    if engine is not None:
+        engine._mark_closed()
+
+
+def _emergency_stop(ledger: _Ledger, owns_ray: bool) -> None:
+    """The engine was dropped without close(): kill the actors rather than leak them (and shut
+    down the Ray it started)."""
     if not ledger.join(0):
+        warnings.warn(
+            "a RayEngine was garbage-collected without close(): its actors were killed and what it "
+            "still held was cancelled; use `with RayEngine(...)` or call close()", ResourceWarning, stacklevel=2)
         ledger.call(ledger.abort, "the engine was garbage-collected without close()")
         ledger.join(10)
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
