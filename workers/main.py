@@ -44,6 +44,7 @@ from slabpool.workers.pipeline import (
     seed_task,
 )
 from slabpool.workers.protocol import (
+    SPLIT,
     BatchDone,
     Chunk,
     FaultSpec,
@@ -93,7 +94,6 @@ class WorkerBoot:
     in_place_min_bytes: int | None = None  # see EngineConfig; None: outputs are always copied
     stack_chunks: bool = False  # run a chunk's items in one session call (max_batch_size > 1)
 
-SPLIT = "split"  # an OutputGrant's error: the batch's outputs do not fit together; send it back
 
 
 def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
@@ -531,7 +531,7 @@ def _denied(grant: OutputGrant, total: int) -> RemoteError:
     """Why no output region came: the batch must be split (its tasks go back, uncharged), or
     the outputs can never fit (grant.nbytes: the largest region there is)."""
     if grant.error == SPLIT:
-        return RemoteError("split", "", "outputs too large to share one region", "")
+        return RemoteError(SPLIT, "", "outputs too large to share one region", "")
     return RemoteError("capacity", "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
 
 

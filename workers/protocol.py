@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import pickle
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 from slabpool.workers.errors import TaskDataError
 
@@ -129,6 +129,10 @@ class RunBatch:
     stack: bool
     out_offset: int = -1
     out_nbytes: int = 0
+
+
+SPLIT: Final = "split"  # an OutputGrant's error and then that batch's RemoteError kind: its outputs
+# do not fit one region together; the supervisor sends its tasks again apart, uncharged
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from typing import Any, TypeVar
 from slabpool.engine.core.task import Batch
 from slabpool.shm import Arena, Lease
 from slabpool.shm.alloc import align_up
-from slabpool.workers.main import SPLIT
-from slabpool.workers.protocol import OutputGrant
+from slabpool.workers.protocol import SPLIT, OutputGrant
 
 T = TypeVar("T")
 

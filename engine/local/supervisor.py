@@ -39,6 +39,7 @@ from slabpool.workers.errors import Crash, crash_hint, describe_exit
 from slabpool.workers.main import WorkerBoot
 from slabpool.workers.pipeline import IDLE
 from slabpool.workers.protocol import (
+    SPLIT,
     BatchDone,
     FlatSkeleton,
     InitFailed,
@@ -189,7 +190,7 @@ class Supervisor(Dispatcher, OwnerThread):
         for outcome in msg.outcomes:
             task = tasks[outcome.task_id]
             if outcome.error is not None:
-                if outcome.error.kind == "split":
+                if outcome.error.kind == SPLIT:
                     split.append(task)  # its outputs did not fit beside the others': again, apart
                 else:
                     self.finish(task, error=E.from_remote(outcome.error, task.id))

@@ -22,7 +22,7 @@ from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.ledger import TaskLedger
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.owner import OwnerThread
-from slabpool.engine.core.states import SlotState, TaskState
+from slabpool.engine.core.states import KillReason, SlotState, TaskState
 from slabpool.engine.core.task import Batch, Result, Task, Timings
 from slabpool.engine.ray.actor import ActorDone, ActorReady, SlotActor
 from slabpool.engine.ray.reload import RayReload
@@ -72,7 +72,7 @@ class _RaySlot:
     ping_at: float | None = None  # next ready() ping while Ray restarts it
     ping_backoff: float = 0.05
     pinging: bool = False
-    kill_reason: str | None = None  # "cancel", "shutdown": a death we caused blames no task
+    kill_reason: KillReason | None = None  # a death we caused (cancel(kill=True)) blames no task
     swapping: bool = False  # a reload swaps its actor: no new work for it
 
     def move(self, new: SlotState) -> None:
@@ -252,7 +252,7 @@ class _Ledger(OwnerThread, TaskLedger):
             return
         slot = self.slots[flight.slot]
         if slot.healthy and slot.flights and slot.flights[0] is flight:
-            slot.kill_reason = "cancel"
+            slot.kill_reason = KillReason.CANCEL
             ray.kill(slot.actor, no_restart=False)  # Ray restarts it; its other tasks replay
 
     def _release(self, task: Task) -> None:
