@@ -2,9 +2,10 @@
 
     |============== caller process ===============|====== worker process, slot k ======|
      Engine.submit()       supervisor thread          pipe k        workers.main
-     1 validate inputs =>  3 choose a READY slot  =>  RunBatch  =>  5 view input lease
-     2 lease input arena,  4 mark task RUNNING                      6 preprocess, check,
-       copy inputs in  <=  8 copy outputs out     <=  BatchDone <=    session.run
+     1 validate inputs =>  3 choose a slot with   =>  RunBatch  =>  5 view input lease
+     2 lease input arena,    room, idle first                       6 preprocess, check,
+       copy inputs in      4 mark task RUNNING                        session.run,
+                       <=  8 copy outputs out     <=  BatchDone <=    postprocess
        Future <==========  9 release leases,                        7 write outputs into
                              complete Future once                     the output region
                                                                       (ORT: written there by
@@ -20,7 +21,8 @@
      crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
        a  slot k -> DEAD; the process is reaped before any lease it held is reused
        b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready
-       c  its tasks replay in acceptance order, attempt + 1 (the same batch composition)
+       c  its tasks replay in acceptance order, attempt + 1 (a stacked batch keeps its
+          composition: a replay is byte-identical; groups of tiny tasks are cut anew)
        d  only what was running is charged: the task named by the slot's status word in
           shared memory (or a whole stacked batch, bisected if it kills again); a task
           charged max_attempts times ends as PoisonTask; nothing else fails
@@ -34,7 +36,8 @@
          groups fit; ShmCapacityError only for outputs larger than the whole arena
        - task_timeout counts the task in hand (status word 1, written by the worker), never a
          group's total; a slot with no progress for stall_after gets no more work and what
-         was sent ahead to it is revoked (Revoke) and runs elsewhere, on copies of its inputs
+         was sent ahead to it (its current batch too, if it took no task of it) is revoked
+         (Revoke) and runs elsewhere, on copies of its inputs
 
 Where the code is (imports point one way: core <- caller <- local, ray; job on local):
 - `engine.core`: the owner core both backends share. `owner.OwnerThread` is the one thread that

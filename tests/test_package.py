@@ -64,6 +64,16 @@ def test_layers_point_one_way(layer: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_imports_are_absolute() -> None:
+    """The layering tests read absolute imports: a relative one (`from ..engine import x`)
+    would slip past them."""
+    relative = [f"{path.relative_to(REPO)}:{node.lineno}" for layer in ALLOWED
+                for path in sorted((REPO / layer).rglob("*.py"))
+                for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert not relative, relative
+
+
 def test_no_engine_module_is_longer_than_500_lines() -> None:
     """A module a newcomer reads whole: past 500 lines it holds more than one thing."""
     long = {str(p.relative_to(REPO)): n for p in sorted((REPO / "engine").rglob("*.py"))

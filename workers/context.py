@@ -3,7 +3,7 @@
     submit(item, context={"tenant": "a", "request_id": "r-1"})
     ...
     def preprocess(item):            # runs in the worker
-        tenant = engine.context.current().get("tenant")
+        tenant = slabpool.workers.context.current().get("tenant")
 
 `bind()` is the one wrapper that sets it on entry and clears it on every exit path.
 """

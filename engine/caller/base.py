@@ -1,9 +1,10 @@
 """The caller's side that every backend shares: the local `Engine` and `RayEngine` differ in
 where tasks run, not in how a caller talks to them.
 
-A backend provides `_start`, `submit`, `close`, `_end_queued`, `_info()`, `stats()` and
-`_cancel_in_hand` (a question for the thread that owns its slots); everything here is built on
-those.
+A backend provides `_start` (its owner thread, `_owner`), `_enqueue` (step 2: hand a checked
+task over), `_end_queued`, `_info()`, `stats()`, `_after_close` and `_reload_plan` (how it swaps
+a slot's model); `submit`, `close`, `cancel`, `infer`, `map`, `reload` and the rest are built
+here on those and on the owner thread's `call()`.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Owner(Protocol):
 class BaseEngine(MapMixin, AsyncEngineMixin):
     """The caller's API, shared by every backend: `Engine` (local worker processes) and
     `RayEngine` (Ray actors). The constructor is here, once: every setting is a typed
-    keyword-only parameter with its default, validated by `engine.config.resolve`."""
+    keyword-only parameter with its default, validated by `engine.core.config.resolve`."""
 
     chunked_map = False  # map() may send several items as one task (a local Engine)
     config: EngineConfig

@@ -1,6 +1,6 @@
 """The task ledger both backends share: how a task ends, once, and what is counted.
 
-It runs on the owner thread (engine.owner) and knows tasks, the admission queue, counters and
+It runs on the owner thread (engine.core.owner) and knows tasks, the admission queue, counters and
 metrics; it knows nothing of processes or actors. A backend tells it, through three hooks,
 what it holds in hand (`_in_hand`), how to stop a running task (`_kill_running`) and what a
 task gives back when it ends (`_release`).

@@ -84,7 +84,7 @@ class Dispatcher(SlotProcesses, TaskLedger):
                 self._release_input(task)
                 continue
             if task.state is TaskState.QUEUED:
-                task.move(TaskState.RUNNING)
+                task.move(TaskState.RUNNING)  # step 4
             task.attempts += 1
             task.dispatched_at = task.dispatched_at or now
             task.in_batch = batch
@@ -108,7 +108,7 @@ class Dispatcher(SlotProcesses, TaskLedger):
         except Exception as exc:  # noqa: BLE001 - a task's data that will not pickle fails it alone
             self._unsendable(slot, batch, exc)
             return
-        slot.send_bytes(data)  # step 4: on a broken pipe the sentinel fires next and the batch replays
+        slot.send_bytes(data)  # the RunBatch: on a broken pipe the sentinel fires next and the batch replays
 
     def _unsendable(self, slot: Slot, batch: Batch, exc: Exception) -> None:
         """A RunBatch that would not pickle (user data submit() could not check, such as a

@@ -286,7 +286,7 @@ class Supervisor(Dispatcher, OwnerThread):
         self, held: list[Batch], expected: KillReason | None, crash: Crash, running_id: int,
     ) -> list[Batch]:
         """Apply recovery.settle: time out, quarantine, free what ended, requeue the rest."""
-        plan = recovery.settle(held, expected, crash, running_id, self.cfg.max_attempts)
+        plan = recovery.settle(held, expected, crash, running_id, self.cfg.max_attempts)  # d: who is charged
         for batch in held:
             for t in batch.tasks:
                 t.in_batch = None  # the process is reaped: nothing reads these inputs now

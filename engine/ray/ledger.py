@@ -104,7 +104,7 @@ def _owned(obj: Any) -> Any:
 
 
 class _Ledger(OwnerThread, TaskLedger):
-    """The owner thread of a RayEngine (engine.owner) with its task ledger (engine.ledger):
+    """The owner thread of a RayEngine (engine.core.owner) with its task ledger (engine.core.ledger):
     the only thread that changes slots and running tasks. It sleeps on one inbox that Ray's
     completion callbacks and callers' calls feed."""
 
@@ -185,7 +185,7 @@ class _Ledger(OwnerThread, TaskLedger):
         s.pid, s.node_id, s.incarnation = msg.pid, msg.node_id, s.incarnation + 1
         s.info = msg.info or s.info
 
-    # -- the loop (engine.owner) ---------------------------------------------------------------
+    # -- the loop (engine.core.owner) ---------------------------------------------------------------
 
     def wake(self) -> None:
         self._inbox.put(("wake",))
@@ -241,7 +241,7 @@ class _Ledger(OwnerThread, TaskLedger):
         self.flush()
         self.on_stopped()
 
-    # -- the ledger's hooks (engine.ledger) ----------------------------------------------------
+    # -- the ledger's hooks (engine.core.ledger) ----------------------------------------------------
 
     def _in_hand(self) -> Iterable[Task]:
         return [f.task for f in self._flights.values()]
