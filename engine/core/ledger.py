@@ -56,6 +56,17 @@ class TaskLedger:
 
     # -- endings -----------------------------------------------------------------------------------
 
+    def dispatchable(self, task: Task) -> bool:
+        """Before a task's first dispatch (step 4): whether it may run. One the caller cancelled
+        between the queue and here ends CANCELLED, counted, and gives back its inputs."""
+        if task.attempts or task.future.set_running_or_notify_cancel():
+            return True
+        task.move(TaskState.CANCELLED)
+        self.count("cancelled")
+        self.count("items_cancelled", task.units)
+        self._release(task)
+        return False
+
     def finish(self, task: Task, *, result: Result | None = None, error: BaseException | None = None) -> None:
         """End a task exactly once (step 9); its Future completes at the next flush()."""
         if task.state.is_terminal:

@@ -66,6 +66,13 @@ class Task:
         self.state.check(new)
         self.state = new
 
+    def result(self, outputs: Any, version: str, slot: int, pid: int, run_s: float, copy_s: float,
+               now: float) -> Result:
+        """Its Result (step 9): what computed it, and where its time went (`copy_s`: step 8)."""
+        timings = Timings(queued=max(self.dispatched_at - self.accepted_at, 0.0), transfer=self.copy_in_s + copy_s,
+                          run=run_s, total=now - self.accepted_at)
+        return Result(self.id, outputs, version, slot, pid, self.attempts, timings, self.context)
+
     def __repr__(self) -> str:
         return f"<Task {self.id} {self.state.name} attempts={self.attempts}>"
 

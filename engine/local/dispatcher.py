@@ -77,11 +77,7 @@ class Dispatcher(SlotProcesses, TaskLedger):
     def _send_batch(self, slot: Slot, batch: Batch, now: float) -> None:
         specs = []
         for task in batch.tasks:
-            if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
-                task.state = TaskState.CANCELLED  # the caller cancelled it between queue and here
-                self.count("cancelled")
-                self.count("items_cancelled", task.units)
-                self._release_input(task)
+            if not self.dispatchable(task):
                 continue
             if task.state is TaskState.QUEUED:
                 task.move(TaskState.RUNNING)  # step 4

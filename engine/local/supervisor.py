@@ -27,7 +27,7 @@ from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.ledger import cancelled, crash_error
 from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import KillReason, SlotState, TaskState
-from slabpool.engine.core.task import Batch, Result, Task, Timings
+from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.local import watchdog
 from slabpool.engine.local.dispatcher import Dispatcher
 from slabpool.engine.local.reload import Reload
@@ -207,7 +207,8 @@ class Supervisor(Dispatcher, OwnerThread):
             t0 = time.perf_counter()
             outputs = packing.unpack(packed, self.outputs.array, copy=True, items=False)  # step 8
             copy_s = time.perf_counter() - t0
-            self.finish(task, result=self._result(task, slot, outputs, msg.run_s / len(batch.tasks), copy_s, now))
+            self.finish(task, result=task.result(outputs, slot.model_version, slot.index, slot.pid,
+                                                 msg.run_s / len(batch.tasks), copy_s, now))
         if not split:  # (a split batch's sizes were learnt from its NeedOutput)
             self.regions.observed(batch, used)
         if msg.in_place:
@@ -223,15 +224,6 @@ class Supervisor(Dispatcher, OwnerThread):
         elif slot.state is SlotState.BUSY:
             slot.move(SlotState.READY)
         self._maybe_retire(slot)
-
-    def _result(self, task: Task, slot: Slot, outputs: Any, run_s: float, copy_s: float, now: float) -> Result:
-        timings = Timings(
-            queued=max(task.dispatched_at - task.accepted_at, 0.0),
-            transfer=task.copy_in_s + copy_s,
-            run=run_s,
-            total=now - task.accepted_at,
-        )
-        return Result(task.id, outputs, slot.model_version, slot.index, slot.pid, task.attempts, timings, task.context)
 
     def _on_need_output(self, slot: Slot, msg: NeedOutput) -> None:
         batch = next((b for b in slot.batches if b.id == msg.batch_id), None)

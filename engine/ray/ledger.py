@@ -23,7 +23,7 @@ from slabpool.engine.core.ledger import TaskLedger
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import KillReason, SlotState, TaskState
-from slabpool.engine.core.task import Batch, Result, Task, Timings
+from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.ray.actor import ActorDone, ActorReady, SlotActor
 from slabpool.engine.ray.reload import RayReload
 from slabpool.workers import errors as E
@@ -284,11 +284,7 @@ class _Ledger(OwnerThread, TaskLedger):
                 self._send(slot, task, now)
 
     def _send(self, slot: _RaySlot, task: RayTask, now: float) -> None:
-        if task.attempts == 0 and not task.future.set_running_or_notify_cancel():
-            task.state = TaskState.CANCELLED  # cancelled between the queue and here
-            self.count("cancelled")
-            self.count("items_cancelled", task.units)
-            task.ref = None
+        if not self.dispatchable(task):
             return
         task.move(TaskState.RUNNING)
         task.attempts += 1
@@ -341,12 +337,9 @@ class _Ledger(OwnerThread, TaskLedger):
         t0 = time.perf_counter()
         outputs = _owned(done.outputs)  # step 8
         copy_s = time.perf_counter() - t0
-        now = time.monotonic()
-        timings = Timings(queued=max(task.dispatched_at - task.accepted_at, 0.0),
-                          transfer=task.copy_in_s + copy_s, run=done.run_s, total=now - task.accepted_at)
         version = slot.info.model_digest if slot.info else ""
-        self.finish(task, result=Result(task.id, outputs, version, slot.index, done.pid, task.attempts,
-                                        timings, task.context))
+        self.finish(task, result=task.result(outputs, version, slot.index, done.pid, done.run_s, copy_s,
+                                             time.monotonic()))
 
     def _current(self, flight: _Flight) -> bool:
         """Exactly-once: only the (task id, attempt) in flight may complete its task."""
