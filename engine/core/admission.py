@@ -193,16 +193,16 @@ class TaskQueue:
                 return None
             self.wake_at = 1
             first = next(iter(self._pending.values()))
-            if max_items <= 1 or first.items == 0:
+            if max_items <= 1 or first.rows == 0:
                 n = min(max_tasks, max(len(self._pending) // max(spread, 1), 1))
                 return self._pop_batch(list(itertools.islice(self._pending.values(), n)), stack=False)
             mates: list[Task] = []
             count = 0
             for task in self._pending.values():  # the first always goes: alone if it is larger
-                if task.shape_key != first.shape_key or (mates and count + task.items > max_items):
+                if task.shape_key != first.shape_key or (mates and count + task.rows > max_items):
                     continue
                 mates.append(task)
-                count += task.items
+                count += task.rows
                 if count >= max_items or len(mates) >= max_tasks:
                     break
             if count < max_items and len(mates) < max_tasks and now < first.accepted_at + wait_s:

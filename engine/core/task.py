@@ -45,7 +45,7 @@ class Task:
     packed: Packed
     lease: Lease | None  # its inputs in the input arena; released once, when the task ends
     shape_key: tuple[Any, ...]  # batches group tasks with equal keys
-    items: int  # items on axis 0 (1 when not batchable)
+    rows: int  # rows on axis 0, what a stacked batch counts (1 when not batchable)
     context: dict[str, Any] | None
     seed: int
     deadline: float | None  # monotonic; still queued then -> TaskTimeout

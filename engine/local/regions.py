@@ -35,7 +35,7 @@ class OutputRegions:
         """Output bytes per task and per item, as seen: later groups and batches fit them."""
         self.per_task = max(self.per_task, nbytes // len(batch.tasks))
         if batch.stack:
-            self.per_item = max(self.per_item, nbytes // max(sum(t.items for t in batch.tasks), 1))
+            self.per_item = max(self.per_item, nbytes // max(sum(t.rows for t in batch.tasks), 1))
 
     def observed(self, batch: Batch, used: int) -> None:
         """A batch finished with `used` bytes of outputs: the next of its shapes gets as much."""
@@ -100,4 +100,4 @@ class OutputRegions:
 
 def batch_key(batch: Batch) -> tuple[Any, ...]:
     """Batches with equal keys had outputs of equal size so far (sizes predicted from it)."""
-    return tuple((t.shape_key, t.items) for t in batch.tasks)
+    return tuple((t.shape_key, t.rows) for t in batch.tasks)
