@@ -145,3 +145,18 @@ def test_close_cancel_and_fail_all() -> None:
     led.flush()
     assert isinstance(queued.future.exception(), TaskCancelled)
     assert isinstance(held.future.exception(), EngineInternalError)
+
+
+def test_fail_all_ends_a_dispatched_task_that_no_slot_holds() -> None:
+    """An internal bug in the middle of a completion (the batch already out of its slot, not
+    yet finished) fails the engine: the task it held ends with the failure too, no Future
+    waits for ever."""
+    led = Ledger()
+    t = _task(led.queue)
+    led.queue.discard(t)
+    assert led.dispatchable(t)  # first dispatch
+    t.move(TaskState.RUNNING)  # ... and then held by nothing the ledger can see
+    led.fail_all(EngineInternalError("boom"))
+    led.flush()
+    assert isinstance(t.future.exception(), EngineInternalError)
+    assert not led._unfinished  # nothing kept once it ended

@@ -313,3 +313,26 @@ def _memfds_of(instance: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def test_an_internal_bug_mid_completion_fails_every_task_it_held(models):
+    """A bug on the supervisor thread while a batch is out of its slot and not yet settled
+    (what a completion does) fails the engine loudly: that batch's task gets the
+    EngineInternalError, like every other, and nothing waits for ever."""
+    from slabpool.workers.errors import EngineInternalError
+
+    with Engine(None, workers=1, preprocess="tests.fault_hooks:pre") as eng:
+        hung = eng.submit({"x": np.ones(3), "fault": "hang"})
+        sup = eng._sup
+        deadline = time.monotonic() + 60  # only a deadlock reaches it
+        while not any(s.batches for s in sup.slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def bug() -> None:
+            next(s for s in sup.slots if s.batches).batches.popleft()  # mid-completion ...
+            raise RuntimeError("a bug in the supervisor")  # ... a bug
+
+        with pytest.raises(RuntimeError, match="a bug in the supervisor"):
+            sup.call(bug).result(timeout=30)
+        with pytest.raises(EngineInternalError, match="a bug in the supervisor"):
+            hung.result(timeout=60)

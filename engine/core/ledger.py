@@ -41,6 +41,9 @@ class TaskLedger:
         self.failure: BaseException | None = None
         self._completions: list[tuple[Future[Result], Result | None, BaseException | None]] = []
         self._due: dict[str, int] = {}  # counts not yet published (see count)
+        # every task dispatched and not yet ended, wherever it is (a slot, the replay queue, or
+        # a local variable of a step): an engine that fails ends each of them, none is lost
+        self._unfinished: dict[int, Task] = {}
 
     # -- what a backend provides -----------------------------------------------------------------
 
@@ -59,7 +62,10 @@ class TaskLedger:
     def dispatchable(self, task: Task) -> bool:
         """Before a task's first dispatch (step 4): whether it may run. One the caller cancelled
         between the queue and here ends CANCELLED, counted, and gives back its inputs."""
-        if task.attempts or task.future.set_running_or_notify_cancel():
+        if task.attempts:
+            return True
+        if task.future.set_running_or_notify_cancel():
+            self._unfinished[task.id] = task
             return True
         task.move(TaskState.CANCELLED)
         self.count("cancelled")
@@ -78,6 +84,7 @@ class TaskLedger:
         else:
             new, counter = TaskState.FAILED, "failed"
         task.move(new)
+        self._unfinished.pop(task.id, None)
         self.count(counter)
         if task.units:
             self.count("items_" + counter, task.units)
@@ -133,7 +140,7 @@ class TaskLedger:
     def abort_in_hand(self, reason: str) -> None:
         """close() ran out of time: every task a slot holds ends as cancelled now."""
         self.close(True)
-        for task in list(self._in_hand()):
+        for task in [*self._in_hand(), *self._unfinished.values()]:
             self.finish(task, error=cancelled(task, reason, "closed"))
 
     def quarantine(self, task: Task, cause: BaseException | None) -> None:
@@ -159,7 +166,7 @@ class TaskLedger:
         self.queue.close(error)
         for task in self.queue.drain_all():
             self.finish(task, error=error)
-        for task in list(self._in_hand()):
+        for task in [*self._in_hand(), *self._unfinished.values()]:  # held, or anywhere else
             self.finish(task, error=error)
 
 
