@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 __version__: str  # set by __getattr__ on first use
 
 if TYPE_CHECKING:
+    from slabpool.engine.core.reload import SignatureChanged
     from slabpool.engine.core.stats import EngineStats, ModelDescription, SlotStats
     from slabpool.engine.core.task import Result, Timings
     from slabpool.engine.local.pool import Engine
@@ -62,6 +63,7 @@ _ERRORS = (
 _LAZY = {
     "Engine": "slabpool.engine.local.pool",
     "RayEngine": "slabpool.engine.ray.backend",
+    "SignatureChanged": "slabpool.engine.core.reload",
     "EngineStats": "slabpool.engine.core.stats",
     "ModelDescription": "slabpool.engine.core.stats",
     "SlotStats": "slabpool.engine.core.stats",
@@ -86,6 +88,7 @@ __all__ = [
     "SessionInitError",
     "SessionRunError",
     "ShmCapacityError",
+    "SignatureChanged",
     "SlotStats",
     "TaskCancelled",
     "TaskDataError",

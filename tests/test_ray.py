@@ -37,8 +37,7 @@ import numpy as np
 import psutil
 import pytest
 
-from slabpool import Engine, RayEngine
-from slabpool.engine.core.reload import SignatureChanged
+from slabpool import Engine, RayEngine, SignatureChanged
 from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm

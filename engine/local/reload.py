@@ -12,14 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from slabpool.engine.core.reload import ReloadPlan, SignatureChanged
+from slabpool.engine.core.reload import ReloadPlan
 from slabpool.workers.errors import SessionInitError
 
 if TYPE_CHECKING:
     from slabpool.engine.local.slot import Slot
     from slabpool.engine.local.supervisor import Supervisor
-
-__all__ = ["Reload", "SignatureChanged"]
 
 
 RELOAD_RETRIES = 2  # start-up deaths of a swapped slot, not reported by its session, retried
