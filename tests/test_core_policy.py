@@ -110,10 +110,6 @@ def test_a_call_that_raises_fails_the_loop_loudly() -> None:
 class Ledger(TaskLedger):
     def __init__(self) -> None:
         super().__init__(TaskQueue(capacity=100, policy="block", wake=lambda: None), Metrics())
-        self.held: list[Task] = []
-
-    def _in_hand(self):  # type: ignore[no-untyped-def]
-        return self.held
 
 
 def _task(q: TaskQueue, deadline: float | None = None) -> Task:
@@ -137,8 +133,8 @@ def test_close_cancel_and_fail_all() -> None:
     led = Ledger()
     queued, held = _task(led.queue), _task(led.queue)
     led.queue.discard(held)
+    assert led.dispatchable(held)  # sent to a slot
     held.move(TaskState.RUNNING)
-    led.held.append(held)
     led.close(cancel_pending=True)
     assert led.closing is Closing.CANCEL and queued.state is TaskState.CANCELLED
     led.fail_all(EngineInternalError("boom"))

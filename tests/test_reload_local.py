@@ -36,7 +36,7 @@ def test_a_ready_from_an_incarnation_started_on_the_old_model_does_not_count(mod
             sup.specs[0] = plan.spec  # the swap has reached slot 0 ...
             plan.on_ready(sup, sup.slots[0])  # ... and the Ready of its old-model worker arrives
             sup.specs[0] = old
-            return plan.swapped().__len__()
+            return len(plan.swapped())
 
         assert sup.call(ready_of_the_old_incarnation).result(timeout=30) == 0
         assert not plan.done.is_set()

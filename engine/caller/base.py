@@ -57,7 +57,7 @@ class Owner(Protocol):
 
     def model_spec(self) -> SessionSpec | None: ...
 
-    def start_reload(self, plan: Any) -> None: ...
+    def start_reload(self, plan: Any) -> None: ...  # the backend's own `_reload_plan`
 
 
 class BaseEngine(MapMixin, AsyncEngineMixin):
@@ -457,7 +457,6 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
             self._state = EngineState.CLOSED
 
 
-
 def _applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], None]:
     """What a reload plan calls on the owner thread once it has swapped every slot: the
     engine's inputs and version become the new model's (weakly: the plan keeps no engine)."""
@@ -468,6 +467,7 @@ def _applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], 
             eng._set_specs(info)
 
     return apply
+
 
 class TaskFuture(Future[Result]):
     """The Future of one task. Its cancel() of a queued task also takes the task out of the

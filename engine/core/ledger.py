@@ -1,9 +1,10 @@
 """The task ledger both backends share: how a task ends, once, and what is counted.
 
 It runs on the owner thread (engine.core.owner) and knows tasks, the admission queue, counters and
-metrics; it knows nothing of processes or actors. A backend tells it, through three hooks,
-what it holds in hand (`_in_hand`), how to stop a running task (`_kill_running`) and what a
-task gives back when it ends (`_release`).
+metrics; it knows nothing of processes or actors. It keeps every task dispatched and not yet
+ended (`dispatchable` -> `finish`), wherever a backend holds it; a backend tells it, through two
+hooks, how to stop a running task (`_kill_running`) and what a task gives back when it ends
+(`_release`).
 
 Hot-path choices (measured, see CHANGELOG.md): counters are summed per step and published
 under one lock (`count` -> `flush`), before the Futures complete, so the books balance when a
@@ -13,7 +14,6 @@ caller looks; Futures complete after the step's state changes, outside any decis
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -46,10 +46,6 @@ class TaskLedger:
         self._unfinished: dict[int, Task] = {}
 
     # -- what a backend provides -----------------------------------------------------------------
-
-    def _in_hand(self) -> Iterable[Task]:
-        """Every task a slot holds (sent, running, or waiting in a worker's pipe)."""
-        raise NotImplementedError
 
     def _kill_running(self, task: Task) -> None:
         """cancel(kill=True): stop the computation of `task` if a slot is running it now."""
@@ -138,9 +134,9 @@ class TaskLedger:
                 self.finish(task, error=cancelled(task, "the engine closed before it started", "closed"))
 
     def abort_in_hand(self, reason: str) -> None:
-        """close() ran out of time: every task a slot holds ends as cancelled now."""
+        """close() ran out of time: every task dispatched and not yet ended ends as cancelled now."""
         self.close(True)
-        for task in [*self._in_hand(), *self._unfinished.values()]:
+        for task in list(self._unfinished.values()):
             self.finish(task, error=cancelled(task, reason, "closed"))
 
     def quarantine(self, task: Task, cause: BaseException | None) -> None:
@@ -161,12 +157,12 @@ class TaskLedger:
                 f"task {task.id} was still queued at its deadline; it was not started", task_id=task.id))
 
     def fail_all(self, error: BaseException) -> None:
-        """The engine cannot go on: every waiting and held task fails with why."""
+        """The engine cannot go on: every waiting and dispatched task fails with why."""
         self.failure = error
         self.queue.close(error)
         for task in self.queue.drain_all():
             self.finish(task, error=error)
-        for task in [*self._in_hand(), *self._unfinished.values()]:  # held, or anywhere else
+        for task in list(self._unfinished.values()):  # held by a slot, or anywhere else
             self.finish(task, error=error)
 
 

@@ -16,7 +16,6 @@ until the new one is ready). The owner thread drives the plan; the caller only w
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,9 +73,7 @@ class ReloadPlan:
     def rollback(self, order: list[int]) -> Self:
         """The swap that puts the old model back on these slots; the caller of this one waits
         for it, so that when reload() raises, the old model serves on every slot."""
-        return dataclasses.replace(self, spec=self.old, old=self.spec, drain=True, allow_change=True,
-                                   order=order, done=threading.Event(), error=None, info=None, then=self,
-                                   apply=None, _at=0)
+        return type(self)(self.old, self.spec, drain=True, allow_change=True, order=order, then=self)
 
     def settle(self) -> None:
         """The swap has ended (and the swap it rolled back, if any): on success the caller's

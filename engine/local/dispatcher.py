@@ -5,7 +5,7 @@ policy in engine.core.dispatch; output regions from engine.local.regions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -161,9 +161,6 @@ class Dispatcher(SlotProcesses, TaskLedger):
         if batch.pinned:
             self.inputs.release_many(batch.pinned)
             batch.pinned = []
-
-    def _in_hand(self) -> Iterable[Task]:
-        return [t for slot in self.slots for b in slot.batches for t in b.tasks]
 
     def _kill_running(self, task: Task) -> None:
         slot = next((s for s in self.slots if any(task in b.tasks for b in s.batches)), None)

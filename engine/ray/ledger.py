@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,9 +242,6 @@ class _Ledger(OwnerThread, TaskLedger):
         self.on_stopped()
 
     # -- the ledger's hooks (engine.core.ledger) ----------------------------------------------------
-
-    def _in_hand(self) -> Iterable[Task]:
-        return [f.task for f in self._flights.values()]
 
     def _kill_running(self, task: Task) -> None:
         flight = self._flights.get(task.id)
