@@ -11,6 +11,11 @@ run, inputs of this exact signature (names, dtypes, shapes) gave outputs of thos
 model whose output shapes depend on the data (NonZero, NMS) fails the bound run once for a
 signature; the worker then runs it plainly and the planner never binds that signature again.
 
+A bound buffer is not proof of a written one: ORT returns some outputs as tensors of its own
+(a graph input passed through as an output, a tensor two outputs share). The adapter checks
+every output it gets back against the buffer it bound, and copies those into place
+(workers/ort.py, _settle); the region never reports an earlier task's bytes.
+
     plan = planner.plan(region, tasks, feeds)    # task id -> Placed, or None: run plainly
     session.run_into(feeds, placed.dests)        # outputs land at placed.packed's refs
     planner.learn(feeds, outputs)                # after a plain run

@@ -14,6 +14,7 @@ from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec, model_digest
 
 _CPU = "CPUExecutionProvider"
+_FATAL = 4  # ORT log severity: only fatal errors are logged
 _DTYPES = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
     "tensor(int8)": "int8", "tensor(int16)": "int16", "tensor(int32)": "int32",
@@ -71,19 +72,31 @@ class OrtSession:
     def run_into(self, feeds: dict[str, np.ndarray], dests: dict[str, np.ndarray],
                  timeout: float | None = None) -> None:
         """IO binding to our buffers: no output allocation (page faults) and no copy after.
-        Inputs are bound by address: read-only shared-memory views need no copy either."""
+        Inputs are bound by address: read-only shared-memory views need no copy either.
+
+        A bound buffer is not proof that ORT wrote it: an output that is a graph input (a
+        pass-through) comes back as the input's own OrtValue, and our buffer keeps what an
+        earlier task left there. So every output ORT hands back is checked: one that is not
+        the buffer we bound is copied into it (_settle)."""
         binding = self._sess.io_binding()
         for name, arr in feeds.items():
             arr = np.ascontiguousarray(arr)
             binding.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        for name in self._outputs:
+        names = list(dict.fromkeys(self._outputs))  # a name listed twice is bound (and returned) once
+        for name in names:
             dst = dests[name]
             binding.bind_output(name, "cpu", 0, dst.dtype, dst.shape, dst.ctypes.data)
-        self._timed(lambda opts: self._sess.run_with_iobinding(binding, opts), timeout)
+        # quiet: a bound run that fails (an output shape that depends on the data) is run
+        # again plainly, which tells a real error; ORT's log lines of it are noise on stderr
+        self._timed(lambda opts: self._sess.run_with_iobinding(binding, opts), timeout, quiet=True)
+        _settle(names, binding.get_outputs(), dests)
 
-    def _timed(self, call: Callable[[Any], Any], timeout: float | None) -> Any:
-        """call(run_options); past `timeout` ORT is told to terminate: RunTimeout."""
+    def _timed(self, call: Callable[[Any], Any], timeout: float | None, quiet: bool = False) -> Any:
+        """call(run_options); past `timeout` ORT is told to terminate: RunTimeout. `quiet`:
+        the run logs nothing (its error still raises)."""
         opts = ort.RunOptions()
+        if quiet:
+            opts.log_severity_level = _FATAL
         if timeout is None:
             return call(opts)
         with self._terminator.armed(opts, timeout):
@@ -97,6 +110,24 @@ class OrtSession:
     def close(self) -> None:
         self._terminator.stop()
         del self._sess
+
+
+def _settle(names: list[str], values: list[Any], dests: dict[str, np.ndarray]) -> None:
+    """Make each bound destination hold its output: the OrtValue ORT returned is either our
+    buffer (written in place) or another tensor (a graph input passed through, a tensor two
+    outputs share, ...), copied in here. Shape or dtype other than the buffer's: ValueError
+    (the caller runs the task plainly)."""
+    if len(values) != len(names):
+        raise ValueError(f"ORT returned {len(values)} outputs for {len(names)} bound")
+    for name, value in zip(names, values, strict=True):
+        dst = dests[name]
+        if dst.nbytes == 0 or value.data_ptr() == dst.ctypes.data:
+            continue
+        got = value.numpy()
+        if got.shape != dst.shape or got.dtype != dst.dtype:
+            raise ValueError(f"output {name!r} came back as {got.dtype}{list(got.shape)}, "
+                             f"not into its buffer {dst.dtype}{list(dst.shape)}")
+        np.copyto(dst, got)
 
 
 def _spec(arg: Any) -> TensorSpec:
