@@ -15,7 +15,15 @@ import threading
 import numpy as np
 import pytest
 
-from slabpool.shm import Arena, CapacityError, InstanceLock, LeaseError, Mapping, sweep_dead_instances
+from slabpool.shm import (
+    Arena,
+    CapacityError,
+    InstanceLock,
+    LeaseError,
+    Mapping,
+    new_instance_id,
+    sweep_dead_instances,
+)
 from slabpool.shm.alloc import ALIGN, RangeAllocator
 
 
@@ -95,7 +103,7 @@ DEAD_OWNER = textwrap.dedent(
     import os, sys, time
     from slabpool.shm import InstanceLock
     lock = InstanceLock(sys.argv[1])
-    fd = os.open("/dev/shm/slabpool-" + sys.argv[1] + "-in-leftover", os.O_CREAT | os.O_RDWR, 0o600)
+    fd = os.open("/dev/shm/slabpool-" + sys.argv[1] + "-in-0123456789abcdef", os.O_CREAT | os.O_RDWR, 0o600)
     print("ready", flush=True)
     time.sleep(600)
     """
@@ -103,12 +111,13 @@ DEAD_OWNER = textwrap.dedent(
 
 
 def test_sweep_removes_names_of_a_dead_instance_only(tmp_path):
-    live = InstanceLock("liveone")
-    live_seg = "/dev/shm/slabpool-liveone-in-x"
+    live, dead = new_instance_id(), new_instance_id()
+    live_seg = f"/dev/shm/slabpool-{live}-in-0123456789abcdef"
+    live = InstanceLock(live)
     open(live_seg, "w").close()
     script = tmp_path / "owner.py"
     script.write_text(DEAD_OWNER)
-    proc = subprocess.Popen([sys.executable, str(script), "deadone"], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), dead], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -116,7 +125,7 @@ def test_sweep_removes_names_of_a_dead_instance_only(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         swept = sorted(sweep_dead_instances())
-        assert swept == ["slabpool-deadone-in-leftover", "slabpool-deadone.lock"]
+        assert swept == [f"slabpool-{dead}-in-0123456789abcdef", f"slabpool-{dead}.lock"]
         assert os.path.exists(live_seg)  # a live instance's names are never touched
     finally:
         proc.stdout.close()
