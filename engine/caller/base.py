@@ -66,6 +66,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     keyword-only parameter with its default, validated by `engine.core.config.resolve`."""
 
     chunked_map = False  # map() may send several items as one task (a local Engine)
+    _inherited = ""  # in a process that got this engine through os.fork: why it cannot use it (local.forks)
     config: EngineConfig
     _queue: TaskQueue
     _state: EngineState
@@ -153,6 +154,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     def _check_accepting(self) -> None:
         if self._state is not EngineState.ACCEPTING:
+            if self._inherited:
+                raise E.EngineClosed(self._inherited)
             self._queue.raise_if_closed()  # why it stopped: the engine's failure, or close()
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
 
@@ -169,6 +172,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         """Stop accepting; drain (or cancel what is queued); stop every slot; free what the
         engine holds. Idempotent, callable from any thread and from a Future's done-callback.
         `timeout`: then what still runs is cancelled and its slots stopped."""
+        if self._inherited:  # a forked child's copy: the workers and memory are the parent's
+            return
         self._stop_accepting()
         owner = self._owner
         owner.call(owner.close, cancel_pending)

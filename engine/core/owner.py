@@ -38,6 +38,7 @@ class OwnerThread:
         self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._calls_lock = threading.Lock()
         self._loop_done = False  # set once, under _calls_lock: later calls fail at once
+        self._forsaken = ""  # in a forked child: why no loop runs here (see forsake)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- what a backend provides ---------------------------------------------------------------
@@ -72,7 +73,7 @@ class OwnerThread:
             return fut
         with self._calls_lock:
             if self._loop_done:
-                fut.set_exception(errors.EngineClosed("the engine has stopped: nothing runs this call"))
+                fut.set_exception(errors.EngineClosed(self._forsaken or "the engine has stopped: nothing runs this call"))
                 return fut
             self._calls.append((fn, args, fut))
         self.wake()
@@ -83,6 +84,14 @@ class OwnerThread:
         while self._calls:
             fn, args, fut = self._calls.popleft()
             _settle(fut, fn, args)
+
+    def forsake(self, why: str) -> None:
+        """In a process forked from the owner's (engine.local.forks): no thread runs the loop
+        here, so every call fails at once (EngineClosed(why)) and wakes nothing (the wake-up
+        pipe is the parent's). Takes no lock: another thread may have held one at the fork."""
+        self._calls_lock = threading.Lock()
+        self._calls.clear()
+        self._forsaken, self._loop_done = why, True
 
     # -- the thread ------------------------------------------------------------------------------
 

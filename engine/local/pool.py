@@ -21,6 +21,7 @@ from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.states import EngineState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Result, Task
+from slabpool.engine.local import forks
 from slabpool.engine.local.mainguard import check_main_guard
 from slabpool.engine.local.reload import Reload
 from slabpool.engine.local.supervisor import Supervisor
@@ -59,6 +60,7 @@ class Engine(BaseEngine):
         self._instance = new_instance_id()
         self._lock: InstanceLock | None = None
         check_main_guard(cfg.start_method)
+        forks.adopt(self)  # a process forked from this one never touches its workers
         try:  # any BaseException (Ctrl-C while the workers start, too) leaves nothing behind
             self._build(cfg)
         except CapacityError as exc:

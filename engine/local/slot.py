@@ -17,6 +17,7 @@ from typing import Any
 
 from slabpool.engine.core.states import KillReason, SlotState
 from slabpool.engine.core.task import Batch
+from slabpool.engine.local.forks import WORKER_NAME
 from slabpool.shm.mapping import PassFd
 from slabpool.workers.main import WorkerBoot, main
 from slabpool.workers.protocol import SessionInfo, encode
@@ -60,7 +61,7 @@ class Slot:
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=main,
             args=(boot, child, PassFd(in_fd), PassFd(out_fd)),
-            name=f"slabpool-worker-{self.index}",
+            name=f"{WORKER_NAME}{self.index}",  # how a forked child tells them (local.forks)
             daemon=True,
         )
         proc.start()

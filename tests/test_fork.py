@@ -1,0 +1,46 @@
+"""os.fork() of a process that holds an Engine (engine/local/forks.py): whatever the child does
+with the engine it inherited, and however it exits, the parent's workers get no signal, and
+its task in flight and later tasks succeed. Each case is a real script (tests/fork_script.py):
+a child that returns from pytest's own code would go on running the test session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("fork_script.py")
+CASES = [  # (what the child does, start method, shm backend)
+    *[(how, "forkserver", "memfd") for how in ("exit", "sys.exit", "raise", "close", "submit", "drop", "new_engine")],
+    *[(how, "spawn", "memfd") for how in ("exit", "close", "new_engine")],
+    ("close", "forkserver", "posix"),  # the child never unlinks the parent's instance lock
+]
+EXIT = {"sys.exit": 3, "raise": 1}
+
+
+def _run(model: Path, tmp: Path, how: str, method: str, backend: str) -> tuple[dict[str, object], str, str]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, str(SCRIPT), str(model), method, how, str(tmp), backend],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, (out.stdout, out.stderr)
+    return json.loads(lines[0]), out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(("how", "method", "backend"), CASES)
+def test_a_forked_child_never_touches_the_parents_workers(models, tmp_path, how, method, backend) -> None:  # type: ignore[no-untyped-def]
+    seen, stdout, stderr = _run(models.mlp, tmp_path, how, method, backend)
+    assert seen == {"child_exit": EXIT.get(how, 0), "first": ["logits", "probs"], "later": 4, "restarts": 0,
+                    "same_pids": True, "failed": 0, "lock_kept": True}, stderr
+    assert "SIGTERM" not in stderr and "died" not in stderr and "Exception ignored" not in stderr, stderr
+    if how == "submit":  # submit, infer and reload say why; cancel does not hang
+        said = [ln for ln in stdout.splitlines() if ln.startswith("child: EngineClosed")]
+        assert len(said) == 3 and all("inherited it through fork()" in ln for ln in said), stdout
+        assert "child: cancel -> False" in stdout
+    if how == "new_engine":
+        assert "child: own engine ['logits', 'probs']" in stdout
