@@ -13,11 +13,13 @@ its supervisor dies, whatever kills it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import functools
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -96,14 +98,38 @@ class WorkerBoot:
 
 
 
-def main(boot: WorkerBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
+@dataclass(frozen=True)
+class SealedBoot:
+    """A WorkerBoot pickled in the caller and unpickled by main() itself, inside the handshake:
+    what unpickling it imports (the hooks' modules) may fail in the worker alone, and that
+    error goes back as InitFailed instead of killing the process before it could say why.
+    `initargs` travel as they are (multiprocessing's pickler: they may hold its objects)."""
+
+    data: bytes
+    initargs: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, boot: WorkerBoot) -> SealedBoot:
+        return cls(pickle.dumps(dataclasses.replace(boot, initargs=())), boot.initargs)
+
+    def open(self) -> WorkerBoot:
+        boot: WorkerBoot = pickle.loads(self.data)
+        return dataclasses.replace(boot, initargs=self.initargs)
+
+
+def main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     """Process entry point (a module-level function: spawn and forkserver import it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(os.fdopen(os.dup(2), "w"))  # its own fd 2: kept while fd 2 is redirected
     _watch_parent()
+    outbox = Outbox(conn)
+    try:
+        boot = sealed.open()
+    except BaseException as exc:  # noqa: BLE001 - a hook's module failed to import here
+        outbox.send(InitFailed(remote_error(exc, "run")))
+        return
     inputs = Mapping(in_fd, boot.in_capacity, writable=False)
     outputs = Mapping(out_fd, boot.out_capacity, writable=True)
-    outbox = Outbox(conn)
     install_pipe_logging(outbox, boot.slot, boot.log_level)
     try:
         faults.inject(boot.init_fault, "init")

@@ -22,7 +22,7 @@ from slabpool.engine.core.states import EngineState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Result, Task
 from slabpool.engine.local import forks
-from slabpool.engine.local.mainguard import check_main_guard
+from slabpool.engine.local.mainguard import check_main_guard, check_main_importable
 from slabpool.engine.local.reload import Reload
 from slabpool.engine.local.supervisor import Supervisor
 from slabpool.shm import (
@@ -60,6 +60,8 @@ class Engine(BaseEngine):
         self._instance = new_instance_id()
         self._lock: InstanceLock | None = None
         check_main_guard(cfg.start_method)
+        check_main_importable(cfg.start_method, {
+            "preprocess": cfg.preprocess, "postprocess": cfg.postprocess, "initializer": cfg.initializer})
         forks.adopt(self)  # a process forked from this one never touches its workers
         try:  # any BaseException (Ctrl-C while the workers start, too) leaves nothing behind
             self._build(cfg)

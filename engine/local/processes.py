@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -110,7 +111,7 @@ class SlotProcesses:
             return exc
         return E.SessionInitError(
             f"slot {slot.index} (pid {slot.pid}) died during start-up with {describe_exit(code)}."
-            + crash_hint(code)
+            + (_unreported(self.cfg.start_method) if code == 1 else crash_hint(code))
         )
 
     def status_offset(self, slot: int) -> int:
@@ -214,3 +215,16 @@ class SlotProcesses:
             slot.kill_reason = KillReason.RETIRE
             slot.kill_escalate_at = time.monotonic() + 10.0
             slot.send(Shutdown())
+
+
+def _unreported(start_method: str) -> str:
+    """Why a worker exits with 1 before its handshake could report an error: Python exits so on
+    an exception that nothing caught, and the worker catches every one from its first line on.
+    So it was raised while multiprocessing started the process, before slabpool's code ran."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    where = f"importing the main module {name or path!r} again (as __mp_main__), or " if name or path else ""
+    return (f" An exception was raised while multiprocessing started it (start_method={start_method!r}), "
+            f"before slabpool's code ran there: {where}unpickling the initializer's initargs. Its "
+            "traceback is on the worker's stderr, above.")

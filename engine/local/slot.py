@@ -19,7 +19,7 @@ from slabpool.engine.core.states import KillReason, SlotState
 from slabpool.engine.core.task import Batch
 from slabpool.engine.local.forks import WORKER_NAME
 from slabpool.shm.mapping import PassFd
-from slabpool.workers.main import WorkerBoot, main
+from slabpool.workers.main import SealedBoot, WorkerBoot, main
 from slabpool.workers.protocol import SessionInfo, encode
 from slabpool.workers.wire import FrameReader
 
@@ -60,7 +60,7 @@ class Slot:
         self.incarnation += 1
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=main,
-            args=(boot, child, PassFd(in_fd), PassFd(out_fd)),
+            args=(SealedBoot.of(boot), child, PassFd(in_fd), PassFd(out_fd)),  # see SealedBoot
             name=f"{WORKER_NAME}{self.index}",  # how a forked child tells them (local.forks)
             daemon=True,
         )
