@@ -178,3 +178,17 @@ def test_the_in_place_fallback_prints_nothing_on_stderr(models, tmp_path, start_
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("]")[0] == "[3, 3, 5, 3, 5"  # the second a was bound, b fell back
     assert out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("case", ["pass_twice", "shared", "identity"])
+def test_blocks_of_rows_run_in_place_get_their_own_bytes(tmp_path, case) -> None:  # type: ignore[no-untyped-def]
+    """infer(batch_size=): a task of several blocks, each a session call into a slice of the
+    bound region."""
+    model, want = _model(tmp_path, case, "float32")
+    with Engine(model, workers=1, in_place_min_bytes=0) as eng:
+        for k in range(4):
+            item = _item(k, 10, "float32")
+            got = eng.infer(item, batch_size=3)
+            for name, arr in want(item["x"]).items():
+                assert got[name].tobytes() == arr.tobytes(), (k, name)
+        assert eng.stats().outputs_in_place > 0
