@@ -70,28 +70,45 @@ class InstanceLock:
 
 
 def _locked_file(directory: str, path: str) -> int:
-    """A new file at `path` holding MARKER, flocked before it has its name."""
-    try:
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except OSError as exc:  # a filesystem without O_TMPFILE: named first, locked at once
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-            raise
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, MARKER)
+    """A new file at `path` holding MARKER, flocked before it has its name where the system
+    allows (else named first and locked at once)."""
+    fd = _nameless_locked(directory, path)
+    if fd is not None:
         return fd
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, MARKER)
-        # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names the nameless file (os.link uses
-        # linkat, which follows, only when given a dir fd); FileExistsError if the name is taken
-        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         os.close(fd)
         raise
-    finally:
-        os.close(dir_fd)
+    return fd
+
+
+def _nameless_locked(directory: str, path: str) -> int | None:
+    """O_TMPFILE, flock, MARKER, then linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N to `path`
+    (os.link uses linkat, which follows, only when given a dir fd). None where the filesystem
+    has no O_TMPFILE or /proc is not mounted; FileExistsError if the name is taken."""
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, MARKER)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(f"/proc/self/fd/{fd}", os.path.basename(path), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except FileNotFoundError:  # no /proc: the file is dropped with its fd
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
