@@ -218,13 +218,14 @@ class SlotProcesses:
 
 
 def _unreported(start_method: str) -> str:
-    """Why a worker exits with 1 before its handshake could report an error: Python exits so on
-    an exception that nothing caught, and the worker catches every one from its first line on.
-    So it was raised while multiprocessing started the process, before slabpool's code ran."""
+    """Why a worker exits with 1 before its handshake and sends no error: Python exits so on an
+    exception nothing caught, and the worker reports every exception from its entry point on.
+    So, unless user code called os._exit(1), it was raised while multiprocessing started the
+    process, before slabpool's code ran there (its traceback only on the worker's stderr)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None)
     where = f"importing the main module {name or path!r} again (as __mp_main__), or " if name or path else ""
-    return (f" An exception was raised while multiprocessing started it (start_method={start_method!r}), "
-            f"before slabpool's code ran there: {where}unpickling the initializer's initargs. Its "
-            "traceback is on the worker's stderr, above.")
+    return (f" No error came back: most likely an exception was raised while multiprocessing started it "
+            f"(start_method={start_method!r}), before slabpool's code ran there: {where}unpickling the "
+            "initializer's initargs. Its traceback is on the worker's stderr, above.")
