@@ -21,6 +21,8 @@ callers that had to wait are admitted in arrival order) and the cancel lane.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import queue
 import threading
@@ -102,23 +104,24 @@ class AsyncEngineMixin:
 
         `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
         consumer) or a plain iterable (its `next()` runs on the loop thread: keep it cheap). A
-        failed task raises at its position, unless `return_exceptions` yields the error. When
+        failed task raises at its position, unless `return_exceptions` yields the error. Each
+        Result's `index` (an error's `.index`) is its item's position in `items`. When
         the consumer stops early (break, cancellation, an error), every task still in flight
         is cancelled with the receipts of `submit_async`."""
         cfg = self.config
         window = window or cfg.queue_capacity + cfg.workers * cfg.inflight_per_slot
         loop = asyncio.get_running_loop()
-        held: deque[tuple[Future[Result], asyncio.Future[Result]]] = deque()
+        held: deque[tuple[Future[Result], asyncio.Future[Result], int]] = deque()
         try:
-            async for item in _aiter(items):
+            async for index, item in _enumerate(_aiter(items)):
                 fut = await _admit(self, loop, item, context, None, None)
-                held.append((fut, _bridge(loop, fut)))
+                held.append((fut, _bridge(loop, fut), index))
                 if len(held) >= window:
                     yield await _head(held, return_exceptions)
             while held:
                 yield await _head(held, return_exceptions)
         finally:
-            for fut, waiter in held:
+            for fut, waiter, _ in held:
                 if waiter.done() and not waiter.cancelled():
                     waiter.exception()  # retrieved: an error nobody will see is not logged
                 waiter.cancel()
@@ -254,18 +257,28 @@ def _cancel_task(eng: _Host, fut: Future[Result]) -> None:
     _lanes(eng).cancel.run(eng.cancel, fut)
 
 
-async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result]]], return_exceptions: bool) -> Any:
-    """The oldest task's outcome; it leaves `held` only once it has one (a cancelled wait
-    leaves it there, for the caller to cancel)."""
+async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result], int]], return_exceptions: bool) -> Any:
+    """The oldest task's outcome, with its item's index; it leaves `held` only once it has one
+    (a cancelled wait leaves it there, for the caller to cancel)."""
+    index = held[0][2]
     try:
         result = await held[0][1]
     except Exception as exc:
         held.popleft()
+        with contextlib.suppress(AttributeError, TypeError):  # an exception class with __slots__
+            exc.index = index  # type: ignore[attr-defined]
         if return_exceptions:
             return exc
         raise
     held.popleft()
-    return result
+    return dataclasses.replace(result, index=index)
+
+
+async def _enumerate(items: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    index = 0
+    async for item in items:
+        yield index, item
+        index += 1
 
 
 async def _aiter(items: AsyncIterable[T] | Iterable[T]) -> AsyncIterator[T]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from slabpool.engine.caller import blocks
 from slabpool.engine.caller.aio import AsyncEngineMixin
+from slabpool.engine.caller.calls import check_constructor, public
 from slabpool.engine.caller.mapping import MapMixin
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
@@ -75,6 +76,12 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     _close_lock: threading.Lock
     _metrics: Metrics
     _owner: Owner  # the backend's owner thread (engine.core.owner) with its task ledger
+
+    def __new__(cls, *args: Any, **kw: Any) -> Self:
+        """A wrong call fails here, in the caller's words ("Engine() got an unexpected setting
+        'max_workers'; did you mean 'workers'?"), before anything starts."""
+        check_constructor(cls, args, kw)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -131,6 +138,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         """Build the slots from self.config; return once every one is ready (or raise)."""
         raise NotImplementedError
 
+    @public
     def submit(
         self,
         inputs: Any,
@@ -256,6 +264,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
 
     # -- the rest of the caller's API -----------------------------------------------------------
 
+    @public
     def infer(self, inputs: Any, *, batch_size: int | str | None = None, **kw: Any) -> Any:
         """Submit and wait: the outputs (dict name -> array, or what postprocess returned).
 
@@ -373,6 +382,7 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
         threading.Thread(target=self.close, kwargs={"cancel_pending": cancel_futures},
                          name="slabpool-shutdown", daemon=True).start()
 
+    @public
     def reload(
         self,
         model: str | os.PathLike[str],

@@ -8,6 +8,9 @@ whose outputs cannot fit the output arena together, runs again item by item.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -17,11 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from slabpool.engine.caller.calls import not_a_function, public
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.protocol import Chunk, RemoteError
+
+_Pending = tuple[Future[Result], list[Any], int]  # a task of map(): its Future, its items, the first's index
 
 
 class MapMixin:
@@ -34,6 +40,7 @@ class MapMixin:
     _submit_chunk: Callable[[list[Any], dict[str, Any] | None], Future[Result]]
     _tally: Callable[..., None]
 
+    @public
     def map(
         self,
         items: Iterable[Any],
@@ -46,7 +53,10 @@ class MapMixin:
     ) -> Iterator[Any]:
         """Results in submission order, at most `window` items in flight (memory stays bounded).
         `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
-        items of one chunk still come together, in their order).
+        items of one chunk still come together, in their order). Either way each Result's
+        `index` is its item's position in `items` (0-based), whatever chunk, replay or
+        item-by-item rerun computed it, and a yielded error (`return_exceptions`) carries it
+        as `.index` too; `context` is on every Result.
 
         A failed item raises at its position, unless `return_exceptions` yields the error
         instead. Abandoning the iterator cancels what is still queued.
@@ -59,6 +69,14 @@ class MapMixin:
         same float tolerance as batching); each keeps its own outcome, and its Result carries
         the chunk's task id (and stats() counts it as one task). A chunk that kills workers
         runs again item by item, so a poison item fails alone."""
+        not_a_function(f"{type(self).__name__}.map()", items)
+        return self._map_items(items, window=window, return_exceptions=return_exceptions, context=context,
+                               chunk=chunk, ordered=ordered)
+
+    def _map_items(
+        self, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
+        context: dict[str, Any] | None, chunk: int | None, ordered: bool,
+    ) -> Iterator[Any]:
         parts = self._map_parts(items, window=window, contain=return_exceptions, context=context, chunk=chunk,
                                 ordered=ordered)
         try:
@@ -86,8 +104,9 @@ class MapMixin:
         size = 1 if chunk is None or not self._chunks_ok() else chunk
         base = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
         pace = _Pace(min(MAX_CHUNK_BYTES, self.config.shm_capacity // (4 * self.config.workers)))
-        pending: deque[tuple[Future[Result], list[Any]]] = deque()
+        pending: deque[_Pending] = deque()
         in_flight = 0
+        start = 0  # the index of the next item taken from `items`
         it = iter(items)
         try:
             while True:
@@ -98,48 +117,52 @@ class MapMixin:
                 if not group:
                     break
                 pace.weigh(group[0])
-                pending.extend(self._submit_items(group, context, contain))
+                pending.extend(self._submit_items(group, context, contain, start))
+                start += len(group)
                 in_flight += len(group)
                 while pending and in_flight >= limit:
-                    fut, group = _next_done(pending, ordered)
+                    fut, group, first = _next_done(pending, ordered)
                     in_flight -= len(group)
-                    yield from self._task_parts(fut, group, context, pace, len(group) > 1)
+                    yield from self._task_parts(fut, group, context, pace, len(group) > 1, first)
             while pending:
-                fut, group = _next_done(pending, ordered)
-                yield from self._task_parts(fut, group, context, pace, len(group) > 1)
+                fut, group, first = _next_done(pending, ordered)
+                yield from self._task_parts(fut, group, context, pace, len(group) > 1, first)
         finally:
-            for f, group in pending:
+            for f, group, _ in pending:
                 f.cancel()
                 if len(group) > 1:  # a chunk's items are the caller's side to count
                     self._tally(cancelled=len(group))
 
     def _submit_items(
-        self, group: list[Any], context: dict[str, Any] | None, contain: bool,
-    ) -> list[tuple[Future[Result], list[Any]]]:
-        """Submit one task of map(). With `contain` (return_exceptions), an item refused at the
-        door (its input contract, data that cannot be pickled, too large) becomes a failed
-        Future at its position: the items of its chunk go one by one, the rest still runs."""
+        self, group: list[Any], context: dict[str, Any] | None, contain: bool, start: int,
+    ) -> list[_Pending]:
+        """Submit one task of map(), its items from index `start` of the caller's iterable. With
+        `contain` (return_exceptions), an item refused at the door (its input contract, data
+        that cannot be pickled, too large) becomes a failed Future at its position: the items
+        of its chunk go one by one, the rest still runs."""
         try:
             if len(group) == 1:
-                return [(self.submit(group[0], context=context), group)]
+                return [(self.submit(group[0], context=context), group, start)]
             fut = self._submit_chunk(group, context)
             self._tally(accepted=len(group))
-            return [(fut, group)]
+            return [(fut, group, start)]
         except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
             if not contain:
                 raise
             if len(group) > 1:
-                return [part for x in group for part in self._submit_items([x], context, contain)]
+                return [part for i, x in enumerate(group)
+                        for part in self._submit_items([x], context, contain, start + i)]
             failed: Future[Result] = Future()
             failed.set_exception(exc)
-            return [(failed, group)]
+            return [(failed, group, start)]
 
     def _task_parts(
         self, fut: Future[Result], group: list[Any], context: dict[str, Any] | None, pace: _Pace, tally: bool,
+        start: int,
     ) -> Iterator[MapPart]:
         """The outcome of one task of map() as MapParts (one; or one per item when a chunk that
-        killed workers runs again item by item). `tally`: the task counts no items itself (a
-        chunk, or an item of one run again alone)."""
+        killed workers runs again item by item), its first item at index `start`. `tally`: the
+        task counts no items itself (a chunk, or an item of one run again alone)."""
         try:
             res = fut.result()
         except (E.PoisonTask, E.WorkerCrashed, E.ShmCapacityError) as exc:
@@ -151,9 +174,9 @@ class MapMixin:
                 seen = 0
                 try:
                     futs = [self.submit(x, context=context, _units=0) for x in group]
-                    for f, x in zip(futs, group, strict=True):
+                    for i, f in enumerate(futs):
                         seen += 1  # its outcome is counted by the call below
-                        yield from self._task_parts(f, [x], context, pace, True)
+                        yield from self._task_parts(f, [group[i]], context, pace, True, start + i)
                 finally:
                     for f in futs[seen:]:
                         f.cancel()
@@ -161,23 +184,23 @@ class MapMixin:
                 return
             if tally:
                 self._tally(failed=1)
-            yield MapPart(1, None, exc)
+            yield MapPart(1, None, exc, start)
             return
         except Exception as exc:  # noqa: BLE001 - every item of the task ends with it (raised there)
             if tally:
                 self._tally(failed=len(group))
-            yield MapPart(len(group), None, exc)
+            yield MapPart(len(group), None, exc, start)
             return
         pace.observe(res.timings.run, len(group), res.outputs)
         if type(res.outputs) is not Chunk:
             if tally:
                 self._tally(completed=1)
-            yield MapPart(1, res, None)
+            yield MapPart(1, res, None, start)
             return
         count = packing.chunk_count(res.outputs)  # (stacked: every item done)
         bad = 0 if res.outputs.stacked is not None else sum(type(out) is RemoteError for out in res.outputs)
         self._tally(completed=count - bad, failed=bad)
-        yield MapPart(count, res, None)
+        yield MapPart(count, res, None, start)
 
     def _chunks_ok(self) -> bool:
         """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
@@ -186,36 +209,53 @@ class MapMixin:
 
 @dataclass(frozen=True, slots=True)
 class MapPart:
-    """The outcomes of `count` consecutive items of map(): one task's Result (its outputs a
-    Chunk of one outcome per item, or one item's outputs), or one error for all of them."""
+    """The outcomes of `count` consecutive items of map(), the first at index `start` of the
+    caller's iterable: one task's Result (its outputs a Chunk of one outcome per item, or one
+    item's outputs), or one error for all of them."""
 
     count: int
     result: Result | None
     error: BaseException | None
+    start: int = 0
 
     def each(self, return_exceptions: bool) -> Iterator[Any]:
-        """Item by item, as map() yields them: a Result, or the item's error (raised unless
-        `return_exceptions`)."""
+        """Item by item, as map() yields them: a Result with its item's `index`, or the item's
+        error with `.index` set (raised unless `return_exceptions`)."""
         if self.error is not None:
             if not return_exceptions:
-                raise self.error
-            for _ in range(self.count):
-                yield self.error
+                raise _indexed(self.error, self.start)
+            for i in range(self.count):
+                yield _indexed(self.error if i == 0 else _copy_error(self.error), self.start + i)
             return
         res = self.result
         assert res is not None
         if type(res.outputs) is not Chunk:
-            yield res
+            yield dataclasses.replace(res, index=self.start)
             return
-        for out in packing.chunk_items(res.outputs):
+        for i, out in enumerate(packing.chunk_items(res.outputs)):
             if type(out) is RemoteError:
-                err = E.from_remote(out, res.task_id)
+                err = _indexed(E.from_remote(out, res.task_id), self.start + i)
                 if not return_exceptions:
                     raise err
                 yield err
             else:
                 yield Result(res.task_id, out, res.model_version, res.slot, res.pid, res.attempts, res.timings,
-                             res.context)
+                             res.context, self.start + i)
+
+
+def _indexed(error: BaseException, index: int) -> BaseException:
+    """The error of map()'s item `index`, saying so (`.index`), as a Result does."""
+    with contextlib.suppress(AttributeError, TypeError):  # an exception class with __slots__
+        error.index = index  # type: ignore[attr-defined]
+    return error
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """One error object per item of a failed chunk, so that each carries its own `.index`."""
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception class copy cannot rebuild: share the one
+        return error
 
 
 CHUNK_TARGET_S = 0.02  # run time per chunk task that map() aims at: its overhead (~0.3 ms) stays ~1%
@@ -223,10 +263,10 @@ MAX_CHUNK = 1024  # items per chunk task at most
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # input bytes per chunk task at most (shared memory, queue_bytes)
 
 
-def _next_done(pending: deque[tuple[Future[Result], list[Any]]], ordered: bool) -> tuple[Future[Result], list[Any]]:
+def _next_done(pending: deque[_Pending], ordered: bool) -> _Pending:
     """The task whose outcomes map() yields next: the oldest, or (unordered) the first finished."""
     if not ordered:
-        wait([f for f, _ in pending], return_when=FIRST_COMPLETED)
+        wait([f for f, _, _ in pending], return_when=FIRST_COMPLETED)
         for i, entry in enumerate(pending):
             if entry[0].done():
                 del pending[i]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -211,3 +212,56 @@ def importable(name: str, fn: Any) -> Callable[..., Any] | None:
             f"{fn!r} cannot be pickled: {exc}"
         ) from exc
     return fn  # type: ignore[no-any-return]
+
+
+# Names users bring from other pools and runtimes, and the setting that does that here (or
+# where it lives instead): difflib finds typos, this finds synonyms.
+ALIASES = {
+    "max_workers": "workers", "processes": "workers", "n_jobs": "workers", "num_workers": "workers",
+    "n_workers": "workers", "pool_size": "workers", "concurrency": "workers", "num_procs": "workers",
+    "batch": "max_batch_size", "batch_size": "max_batch_size", "max_batch": "max_batch_size",
+    "timeout": "task_timeout", "time_limit": "task_timeout",
+    "maxtasksperchild": "max_tasks_per_worker", "max_tasks_per_child": "max_tasks_per_worker",
+    "mp_context": "start_method",
+    "num_threads": "threads_per_worker", "intra_op_num_threads": "threads_per_worker",
+    "threads": "threads_per_worker", "provider": "providers", "execution_providers": "providers",
+    "init_args": "initargs", "initializer_args": "initargs",
+    "queue_size": "queue_capacity", "max_queue_size": "queue_capacity", "maxsize": "queue_capacity",
+    "retries": "max_attempts", "max_retries": "max_attempts",
+    "memory_limit": "worker_memory_limit", "num_cpus": "cpus_per_slot",
+}  # fmt: skip
+# ... and names that are not settings at all, but arguments of a call
+ELSEWHERE = {
+    "batch_size": "infer(inputs, batch_size=N) splits rows into blocks",
+    "chunksize": "map(items, chunk=N) sets the items per task", "chunk_size": "map(items, chunk=N) sets the items per task",
+    "chunk": "map(items, chunk=N) sets the items per task", "window": "map(items, window=N) bounds what is in flight",
+    "context": "submit(inputs, context={...}) gives a task its context",
+    "model_path": "the model is the first argument: Engine('model.onnx', ...)",
+    "path": "the model is the first argument: Engine('model.onnx', ...)",
+}  # fmt: skip
+
+
+def check_settings(owner: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """TypeError for a setting `owner` (e.g. "Engine()") does not take, with the one the user
+    probably meant: "Engine() got an unexpected setting 'max_workers'; did you mean 'workers'?"."""
+    names = sorted(n for n in known if not n.startswith("_"))
+    for name in given:
+        if name not in known:
+            raise TypeError(f"{owner} got an unexpected setting {name!r}{suggest(name, names)}")
+
+
+def suggest(name: str, known: Sequence[str]) -> str:
+    """"; did you mean 'x'?" (an alias, or the closest of `known`), what else `name` may be
+    meant for, or the list of what is known."""
+    hints = []
+    meant = ALIASES.get(name) or ALIASES.get(name.lower())
+    if meant not in known:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        meant = close[0] if close else None
+    if meant is not None:
+        hints.append(f"did you mean {meant!r}?")
+    if name in ELSEWHERE:
+        hints.append(f"({ELSEWHERE[name]})" if hints else ELSEWHERE[name])
+    if not hints:
+        hints.append(f"the settings are: {', '.join(known)}")
+    return "; " + " ".join(hints)

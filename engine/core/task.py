@@ -26,6 +26,13 @@ class Timings:
 
 @dataclass(frozen=True)
 class Result:
+    """What one task (or one item of `map()`) computed, and where.
+
+    `task_id` names the task: the items of one `map()` chunk share it. `index` names the item:
+    its 0-based position in the iterable given to `map()` (ordered or not, whatever chunk,
+    replay or item-by-item rerun computed it), None for `submit()`. `context` is the one the
+    task was given (`submit(context=)`, `map(context=)`)."""
+
     task_id: int  # the acceptance sequence number
     outputs: Any  # dict name -> array (caller-owned), or what postprocess/preprocess returned
     model_version: str  # digest of the model file that computed it ('' without a model)
@@ -34,6 +41,7 @@ class Result:
     attempts: int  # 1 on the first try
     timings: Timings
     context: dict[str, Any] | None = None
+    index: int | None = None  # map(): the item's position in its iterable
 
 
 @dataclass(eq=False)
