@@ -84,6 +84,8 @@ def check_one(spec: TensorSpec, arr: Any) -> None:
         raise InputContractError(
             f"{where}: expected a numpy.ndarray of {spec.dtype}, got {type(arr).__name__}"
         )
+    if type(arr) is not np.ndarray and not isinstance(arr, np.memmap):
+        raise InputContractError(f"{where}: expected a plain numpy.ndarray of {spec.dtype}, got {_subclass(arr)}")
     want = np.dtype(spec.dtype)
     if arr.dtype != want:
         hint = " (non-native byte order; convert with .astype(...newbyteorder('='))" if (
@@ -104,6 +106,20 @@ def check_one(spec: TensorSpec, arr: Any) -> None:
                 f"{where}: expected shape {_fmt(spec.shape)}, got {arr.shape} "
                 f"(axis {axis} must be {want_dim})"
             )
+
+
+def _subclass(arr: np.ndarray) -> str:
+    """What an ndarray subclass is, what a model would lose of it, and what to pass instead."""
+    cls = type(arr)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(arr, np.ma.MaskedArray):
+        return (f"a masked array ({name}): the model would see the values under its mask; pass "
+                "arr.filled(value), or the mask as an input of its own")
+    if isinstance(arr, np.recarray):
+        return f"a record array ({name}, fields {list(arr.dtype.names or ())}); pass one field: arr['name']"
+    if isinstance(arr, np.matrix):
+        return f"a matrix ({name}); pass np.asarray(m)"
+    return f"an ndarray subclass {name}; pass np.asarray(arr)"
 
 
 def _fmt(shape: Sequence[int | None]) -> str:

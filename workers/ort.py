@@ -58,8 +58,8 @@ class OrtSession:
             degraded=degraded,
             model_digest=model_digest(spec.path),
             load_s=time.perf_counter() - t0,
-            inputs=tuple(_spec(a) for a in self._sess.get_inputs()),
-            outputs=tuple(_spec(a) for a in self._sess.get_outputs()),
+            inputs=tuple(_spec(a, "input") for a in self._sess.get_inputs()),
+            outputs=tuple(_spec(a, "output") for a in self._sess.get_outputs()),
         )
 
     def run(self, feeds: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -130,12 +130,23 @@ def _settle(names: list[str], values: list[Any], dests: dict[str, np.ndarray]) -
         np.copyto(dst, got)
 
 
-def _spec(arg: Any) -> TensorSpec:
+def _spec(arg: Any, kind: str) -> TensorSpec:
     dtype = _DTYPES.get(arg.type)
     if dtype is None:
-        raise TypeError(f"{arg.name!r} has type {arg.type}, which slabpool does not support")
+        raise TypeError(_unsupported(arg, kind))
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
     return TensorSpec(arg.name, np.dtype(dtype).str, shape)
+
+
+def _unsupported(arg: Any, kind: str) -> str:
+    """Why this input or output cannot cross, and how to make it a tensor."""
+    what = f"{kind} {arg.name!r} has type {arg.type}"
+    if not arg.type.startswith(("seq(", "map(", "optional(")):
+        return f"{what}, an element type slabpool does not support (supported: {', '.join(_DTYPES)})"
+    hint = ("; a scikit-learn classifier converted by skl2onnx has such an output (ZipMap): convert it with "
+            "options={id(model): {'zipmap': False}} (or options={type(model): {'zipmap': False}}) to get the "
+            "probabilities as a tensor") if kind == "output" else ""
+    return f"{what}, not a tensor: slabpool passes tensors only, through shared memory{hint}"
 
 
 def _provider_names(providers: tuple[Any, ...] | None) -> list[str]:

@@ -3,14 +3,21 @@
     pack:   {"x": arr, "meta": {"id": 7}}  ->  Packed({"x": Hole(0), "meta": {"id": 7}}, [ref0])
     unpack: Packed + arena views           ->  {"x": view0, "meta": {"id": 7}}
 
-Only dicts, lists and tuples are walked; every other leaf is left as it is (and pickled).
-Object arrays hold pointers, not data, and are refused.
+Only dicts, lists and tuples are walked (their subclasses too: an OrderedDict, a namedtuple,
+a defaultdict come back as what they were); every other leaf is left as it is (and pickled).
+Arrays of numpy's own subclasses cross whole: a masked array with its mask and fill value
+(`Masked`), a matrix or a record array with its class, a structured dtype with its field names
+(`Viewed`: the bytes go through shared memory, the dtype and class beside them). Object arrays
+hold pointers, not data, and are refused, and so is an ndarray subclass of another library,
+whose extra state a view would drop.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,42 +39,123 @@ from slabpool.workers.protocol import (
 )
 
 _SCALARS = frozenset((int, float, str, bool, type(None), bytes))
+_VIEWED = (np.matrix, np.recarray)  # numpy's subclasses that a view of the bytes rebuilds whole
+_AS_ARRAY = (np.memmap,)  # a memory-mapped file's rows cross as a plain array (its data)
+
+
+@dataclass(frozen=True, slots=True)
+class Viewed:
+    """An array whose bytes are the Hole `raw` (uint8, flat), rebuilt as `dtype` (its field
+    names kept), `shape` and class `cls` (np.ndarray, np.matrix, np.recarray)."""
+
+    raw: Hole
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    cls: type
+
+    def rebuild(self, arrays: list[np.ndarray]) -> np.ndarray:
+        out = arrays[self.raw.at].view(self.dtype).reshape(self.shape)
+        return out if self.cls is np.ndarray else out.view(self.cls)
+
+
+@dataclass(frozen=True, slots=True)
+class Masked:
+    """A numpy masked array: its data and its mask (each a Hole or a Viewed), its fill value."""
+
+    data: Any
+    mask: Any
+    fill_value: Any
+
+    def rebuild(self, arrays: list[np.ndarray]) -> np.ndarray:
+        data, mask = _fill(self.data, arrays), _fill(self.mask, arrays)
+        return np.ma.MaskedArray(data, mask=mask, fill_value=self.fill_value)
+
+
+def _plain(a: Any) -> bool:
+    """An array that crosses as its bytes, dtype string and shape alone."""
+    return type(a) is np.ndarray and not a.dtype.hasobject and a.dtype.names is None
 
 
 def split(obj: Any) -> tuple[Any, list[np.ndarray]]:
     """The skeleton of `obj` and its arrays, in skeleton order."""
     if type(obj) is dict:  # the common case, a flat dict of arrays: one shared skeleton per names
         flat = list(obj.values())
-        if all(type(a) is np.ndarray and not a.dtype.hasobject for a in flat):
+        if all(_plain(a) for a in flat):
             return flat_skeleton(tuple(obj)), flat
     if type(obj) is Chunk and all(type(d) is dict for d in obj):  # map()'s chunk of flat dicts
         stacked = _stack(obj)
         if stacked is not None:
             return stacked
         arrays: list[np.ndarray] = [a for d in obj for a in d.values()]
-        if all(type(a) is np.ndarray and not a.dtype.hasobject for a in arrays):
+        if all(_plain(a) for a in arrays):
             holes = iter(range(len(arrays)))
             return Chunk({k: Hole(next(holes)) for k in d} for d in obj), arrays
     arrays = []
 
+    def hole(a: np.ndarray) -> Hole:
+        arrays.append(a)
+        return Hole(len(arrays) - 1)
+
+    def array(node: np.ndarray) -> Any:
+        if node.dtype.hasobject:
+            raise TypeError("arrays of dtype object cannot go through shared memory")
+        if _plain(node) or isinstance(node, _AS_ARRAY):
+            return hole(node.view(np.ndarray) if type(node) is not np.ndarray else node)
+        if isinstance(node, np.ma.MaskedArray):
+            return Masked(array(np.ma.getdata(node)), array(np.ma.getmaskarray(node)), node.fill_value)
+        cls = type(node)
+        if cls is not np.ndarray and not issubclass(cls, _VIEWED):
+            raise TypeError(f"an array of class {cls.__module__}.{cls.__qualname__} cannot cross between "
+                            "processes intact (a view of its data would drop what the subclass adds); "
+                            "pass np.asarray(...) of it, or a dict of its parts")
+        flat = np.ascontiguousarray(node.view(np.ndarray)).reshape(-1)  # its bytes, its dtype beside them
+        return Viewed(hole(flat.view(np.uint8)), node.dtype, node.shape, cls)
+
     def walk(node: Any) -> Any:
         if isinstance(node, np.ndarray):
-            if node.dtype.hasobject:
-                raise TypeError("arrays of dtype object cannot go through shared memory")
-            arrays.append(node)
-            return Hole(len(arrays) - 1)
-        if isinstance(node, dict):
+            return array(node)
+        if type(node) is dict:
             return {k: walk(v) for k, v in node.items()}
         if type(node) is Chunk:
             return Chunk(walk(v) for v in node)
-        if isinstance(node, (list, tuple)):
+        if type(node) is list or type(node) is tuple:
             if _SCALARS.issuperset(map(type, node)):  # a JSON list of numbers: nothing to move
                 return node
             out = [walk(v) for v in node]
-            return out if isinstance(node, list) else tuple(out)
+            return out if type(node) is list else tuple(out)
+        if isinstance(node, (dict, list, tuple)):  # a subclass: the same class comes back
+            return like(node, [walk(v) for v in _values(node)])
         return node
 
     return walk(obj), arrays
+
+
+def _values(node: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> list[Any]:
+    return list(node.values()) if isinstance(node, dict) else list(node)
+
+
+def like(node: Any, values: list[Any]) -> Any:
+    """A container of the class of `node` (a dict, list or tuple subclass: OrderedDict,
+    defaultdict, Counter, a namedtuple, ...) holding `values` in its places; what the class
+    keeps beside its items (a defaultdict's factory) is kept too. TypeError for a tuple class
+    that cannot be rebuilt from its items."""
+    if isinstance(node, dict):
+        out = copy.copy(node)
+        for k, v in zip(list(node), values, strict=True):
+            out[k] = v
+        return out
+    if isinstance(node, list):
+        seq = copy.copy(node)
+        seq[:] = values
+        return seq
+    cls = type(node)
+    if hasattr(cls, "_make"):  # a namedtuple
+        return cls._make(values)
+    try:
+        return cls(values)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a {cls.__qualname__} (a tuple subclass) cannot be rebuilt from its items: {exc}; "
+                        "pass a plain tuple, a namedtuple or a dict") from None
 
 
 class Stack:
@@ -88,7 +176,7 @@ def _stack(chunk: Chunk) -> tuple[Rows, list[Any]] | None:
     equal rows, as one Stack per name; None when they differ (each item keeps its arrays)."""
     first = chunk[0]
     names = tuple(first)
-    sig = [(a.dtype, a.shape[1:]) if type(a) is np.ndarray and a.ndim and not a.dtype.hasobject else None
+    sig = [(a.dtype, a.shape[1:]) if _plain(a) and a.ndim else None
            for a in first.values()]
     if not names or None in sig:
         return None
@@ -180,7 +268,7 @@ def unpack(
         return _rows(sk, arrays, items)
     if type(sk) is FlatSkeleton:  # the common case: its holes are in order
         return dict(zip(sk, arrays, strict=True))
-    if isinstance(sk, dict) and all(type(v) is Hole for v in sk.values()):
+    if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
         return {k: arrays[v.at] for k, v in sk.items()}
     return _fill(sk, arrays)
 
@@ -235,12 +323,16 @@ def _fill(node: Any, arrays: list[np.ndarray]) -> Any:
         return arrays[node.at]
     if type(node) is Sealed:  # user data pickled on its own (see protocol.Sealed)
         return _fill(unseal(node, "the inputs"), arrays)
-    if isinstance(node, dict):
+    if type(node) is dict or type(node) is FlatSkeleton:
         return {k: _fill(v, arrays) for k, v in node.items()}
     if type(node) is Chunk:
         return Chunk(_fill_item(v, arrays) for v in node)
-    if isinstance(node, list):
+    if type(node) is list:
         return [_fill(v, arrays) for v in node]
-    if isinstance(node, tuple):
+    if type(node) is tuple:
         return tuple(_fill(v, arrays) for v in node)
+    if type(node) is Viewed or type(node) is Masked:
+        return node.rebuild(arrays)
+    if isinstance(node, (dict, list, tuple)):  # a subclass (see split): the same class
+        return like(node, [_fill(v, arrays) for v in _values(node)])
     return node
