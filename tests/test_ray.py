@@ -611,6 +611,58 @@ def test_ray_data_adapter(ray_only: SimpleNamespace | None, models: SimpleNamesp
     assert_mlp({"probs": np.stack([r["probs"] for r in got]), "logits": np.stack([r["logits"] for r in got])}, x)
 
 
+def _read_back(ds: Any, models: SimpleNamespace, x: np.ndarray, batch_format: str) -> None:
+    """Run the adapter over `ds` (columns id, x) and check every row against the reference."""
+    import ray.data
+
+    from slabpool.engine.ray.data import SlabpoolPredictor
+
+    out = ds.map_batches(
+        SlabpoolPredictor, fn_constructor_kwargs={"model": str(models.mlp)},
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.5, batch_size=16, batch_format=batch_format,
+    ).take_all()
+    got = sorted(out, key=lambda r: int(r["id"]))
+    assert [int(r["id"]) for r in got] == list(range(len(x)))
+    assert_mlp({"probs": np.stack([r["probs"] for r in got]), "logits": np.stack([r["logits"] for r in got])}, x)
+
+
+@pytest.mark.parametrize("layout", ["fixed_size_list", "list", "tensor"])
+def test_ray_data_reads_vector_columns_of_parquet(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path, layout: str
+) -> None:
+    """A Parquet column of lists, fixed-size lists (what docs/cli.md describes for vector
+    inputs) or Ray's tensor extension feeds input x [N, 16], in numpy and pandas batches."""
+    if ray_only is None:
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    x = rows(11, n=40)
+    path = tmp_path / "in.parquet"
+    if layout == "tensor":  # Ray writes its own tensor extension type
+        ray.data.from_items([{"id": i, "x": x[i]} for i in range(40)]).write_parquet(str(path))
+    else:
+        flat = pa.array(x.reshape(-1), pa.float32())
+        column = (pa.FixedSizeListArray.from_arrays(flat, 16) if layout == "fixed_size_list"
+                  else pa.ListArray.from_arrays(pa.array(np.arange(0, 16 * 41, 16), pa.int32()), flat))
+        pq.write_table(pa.table({"id": np.arange(40), "x": column}), path)
+    for batch_format in ("numpy", "pandas"):
+        _read_back(ray.data.read_parquet(str(path)), models, x, batch_format)
+
+
+def test_ray_data_takes_pandas_frames(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
+    if ray_only is None:
+        return
+    import pandas as pd
+    import ray.data
+
+    x = rows(12, n=24)  # (lists of Python floats are float64: refused, see the plain-callable cases)
+    frame = pd.DataFrame({"id": np.arange(24), "x": list(x)})  # an object column of float32 arrays
+    _read_back(ray.data.from_pandas(frame), models, x, "pandas")
+    _read_back(ray.data.from_pandas(frame), models, x, "numpy")
+
+
 def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None:
     """The adapter needs no Ray to be called: session, contract check and hooks, per batch."""
     if INNER:
@@ -626,6 +678,70 @@ def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None
     assert list(plain) == ["id", "probs", "logits"]
     with pytest.raises(E.InputContractError, match="dtype"):
         SlabpoolPredictor(models.mlp)({"x": x.astype(np.float64)})
+
+
+@pytest.mark.parametrize("form", ["object column", "pandas", "pandas of lists", "pyarrow fixed_size_list"])
+def test_ray_data_predictor_stacks_columns_of_vectors(models: SimpleNamespace, form: str) -> None:
+    """Batches as Ray Data hands them over for list columns: an object array of arrays, a
+    DataFrame (arrays or lists in the cells), a pyarrow Table: one [N, 16] input each."""
+    if INNER:
+        pytest.skip("runs in the outer pytest process")
+    import pandas as pd
+    import pyarrow as pa
+
+    from slabpool.engine.ray.data import SlabpoolPredictor
+
+    x = rows(5, n=6)
+    cells = np.empty(6, object)
+    cells[:] = list(x)
+    batch: Any = {"object column": {"id": np.arange(6), "x": cells},
+                  "pandas": pd.DataFrame({"id": np.arange(6), "x": list(x)}),
+                  "pandas of lists": pd.DataFrame({"id": np.arange(6), "x": [np.float32(r).tolist() for r in x]}),
+                  "pyarrow fixed_size_list": pa.table({"id": np.arange(6), "x": pa.FixedSizeListArray.from_arrays(
+                      pa.array(x.reshape(-1)), 16)})}[form]
+    if form == "pandas of lists":  # Python floats: float64 values, refused for a float32 input
+        with pytest.raises(E.InputContractError, match=r"input 'x': expected dtype <f4 \(float32\), got <f8"):
+            SlabpoolPredictor(models.mlp)(batch)
+        return
+    out = SlabpoolPredictor(models.mlp)(batch)
+    assert np.array_equal(np.asarray(out["id"]), np.arange(6))
+    assert_mlp({"probs": out["probs"], "logits": out["logits"]}, x)
+
+
+@pytest.mark.parametrize(("cells", "error"), [
+    ([np.zeros(16, np.float32), np.zeros(15, np.float32)], r"ragged column: row 0 has shape \(16,\), row 1 has \(15,\)"),
+    ([np.zeros(16, np.float32), np.zeros(16, np.float64)], "row 0 holds float32, row 1 holds float64"),
+    ([np.zeros(16, np.float32), ["a"] * 16], "row 1"),
+])  # fmt: skip
+def test_ray_data_predictor_refuses_ragged_columns(models: SimpleNamespace, cells: list[Any], error: str) -> None:
+    if INNER:
+        pytest.skip("runs in the outer pytest process")
+    from slabpool.engine.ray.data import SlabpoolPredictor
+
+    column = np.empty(len(cells), object)
+    column[:] = cells
+    with pytest.raises(E.InputContractError, match=f"input 'x': .*{error}"):
+        SlabpoolPredictor(models.mlp)({"id": np.arange(len(cells)), "x": column})
+    with pytest.raises(TypeError, match="SlabpoolPredictor\\(\\) got an unexpected setting 'max_workers'"):
+        SlabpoolPredictor(models.mlp, max_workers=2)
+
+
+def test_a_slot_that_cannot_be_placed_stays_starting(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3 slots of 1 CPU on a 2-CPU cluster: the engine starts with the 2 that fit, says which
+    resource the third lacks, and serves; the third stays STARTING (docs/ray.md)."""
+    if ray_only is None:
+        return
+    with caplog.at_level("WARNING", logger="slabpool.engine.ray"), \
+            RayEngine(models.mlp, workers=3, cpus_per_slot=1, startup_timeout=60) as eng:
+        states = sorted(s.state for s in eng.stats().slots)
+        results = list(eng.map({"x": rows(i)} for i in range(6)))
+    assert states == ["READY", "READY", "STARTING"]
+    assert "holds 2 of 3 slots: each asks CPU=1, the cluster has CPU=2 in all" in caplog.text
+    for i, res in enumerate(results):
+        assert_mlp(res.outputs, rows(i))
+        assert res.index == i
 
 
 @pytest.mark.slow

@@ -144,20 +144,37 @@ class _Ledger(OwnerThread, TaskLedger):
     # -- start ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Wait until every actor has built its session; SessionInitError if one cannot."""
+        """Wait until the slots the cluster can hold have built their sessions (at least one);
+        SessionInitError if one cannot, or if none is up within startup_timeout. A slot Ray
+        cannot place now stays STARTING, with a warning naming the resource it lacks; it
+        serves once Ray places it, and its tasks wait for the other slots meanwhile."""
         for s in self.slots:
             s.move(SlotState.STARTING)
         refs = [s.actor.ready.remote() for s in self.slots]
+        need, short = placeable(len(self.slots), self.request())
+        if short:
+            log.warning("%s; slots beyond the first %d stay STARTING until Ray can place them (their tasks "
+                        "wait for the other slots)", short, need)
         try:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.startup_timeout)
-            if len(ready) < len(refs):
+            ready, _ = ray.wait(refs, num_returns=need, timeout=self.cfg.startup_timeout)
+            if not ready:
                 raise E.SessionInitError(
-                    f"Ray actors not ready after {self.cfg.startup_timeout} s: the cluster lacks "
-                    "the resources (cpus_per_slot, actor_options) or cannot import the model's code")
+                    f"no Ray actor ready after {self.cfg.startup_timeout} s: the cluster lacks the resources "
+                    f"(each slot asks {self.request()}; the cluster has {_resources()} in all, "
+                    f"{_resources(free=True)} free) or cannot import the model's code")
+            if len(ready) < need:
+                log.warning("%d of %d slots ready after %s s; the others stay STARTING (each slot asks %s; "
+                            "free now: %s)", len(ready), len(refs), self.cfg.startup_timeout, self.request(),
+                            _resources(free=True))
+            done = set(ready)
             for s, ref in zip(self.slots, refs, strict=True):
-                self._on_ready(s, ray.get(ref))
-                if self.failure is not None:
-                    raise self.failure
+                if ref in done:
+                    self._on_ready(s, ray.get(ref))
+                    if self.failure is not None:
+                        raise self.failure
+                else:  # answered later, on the loop (as a restarted actor's ping is)
+                    s.pinging = True
+                    ref.future().add_done_callback(lambda f, s=s: self.post(("ready", s, f)))
         except RayActorError as exc:
             self._kill_all()
             raise E.SessionInitError(f"a Ray actor died during start-up: {exc}") from None
@@ -165,6 +182,14 @@ class _Ledger(OwnerThread, TaskLedger):
             self._kill_all()
             raise
         self.start_loop()
+
+    def request(self) -> dict[str, float]:
+        """The resources one slot's actor asks of Ray (num_cpus, num_gpus, memory, resources)."""
+        cpus_per_slot, actor_options = self._actor_options
+        extra = dict((actor_options(0) if callable(actor_options) else actor_options) or {})
+        want = {"CPU": float(extra.get("num_cpus", cpus_per_slot)), "GPU": float(extra.get("num_gpus") or 0),
+                "memory": float(extra.get("memory") or 0), **{k: float(v) for k, v in (extra.get("resources") or {}).items()}}
+        return {k: v for k, v in want.items() if v > 0}
 
     def _on_ready(self, s: _RaySlot, msg: ActorReady) -> None:
         if msg.error is not None:
@@ -469,6 +494,27 @@ class _Ledger(OwnerThread, TaskLedger):
             self.kill_actor(s.actor)
             if s.state is not SlotState.STOPPED:
                 s.state = SlotState.STOPPED
+
+
+def placeable(slots: int, request: dict[str, float]) -> tuple[int, str]:
+    """How many of `slots` actors asking `request` each the cluster holds in all (at least 1:
+    an autoscaler may add a node for the first), and what says why not all ('' if all fit)."""
+    total = _resources()
+    fits = slots
+    short = ""
+    for name, amount in request.items():
+        n = int(total.get(name, 0.0) // amount)
+        if n < fits:
+            fits = n
+            short = (f"the Ray cluster holds {n} of {slots} slots: each asks {name}={amount:g}, the cluster "
+                     f"has {name}={total.get(name, 0.0):g} in all")
+    return max(1, fits), short
+
+
+def _resources(free: bool = False) -> dict[str, float]:
+    """The cluster's resources (or those free now), without Ray's per-node bookkeeping ones."""
+    got = ray.available_resources() if free else ray.cluster_resources()  # type: ignore[no-untyped-call]
+    return {k: float(v) for k, v in got.items() if not k.startswith(("node:", "accelerator_type:"))}
 
 
 def _permanently_dead(exc: BaseException) -> bool:
