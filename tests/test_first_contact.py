@@ -153,7 +153,7 @@ def test_wrong_calls_name_the_public_method(models: SimpleNamespace) -> None:
 
 
 def test_a_type_error_inside_a_call_is_not_rewritten(models: SimpleNamespace) -> None:
-    with Engine(models.mlp, workers=1) as eng, pytest.raises(TypeError, match="cannot be pickled|pickle"):
+    with Engine(models.mlp, workers=1) as eng, pytest.raises(TypeError, match=r"pickle"):
         eng.submit(_items(1)[0], context={"f": lambda: 0})
 
 
