@@ -14,7 +14,7 @@ import numpy as np
 Feeds = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 
-RTOL, ATOL = 1e-4, 1e-5  # ORT's bits may depend on batch composition (notes/runtimes.md §4)
+RTOL, ATOL = 1e-4, 1e-5  # ORT's bits may depend on batch composition (measured: magika rows differ at 1e-7 between batch 8 and 1)
 
 
 @dataclass(frozen=True)

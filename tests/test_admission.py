@@ -1,5 +1,5 @@
 """The admission queue's dispatch policy, on its own: groups, and when a caller wakes the
-supervisor (every wake-up costs a thread switch per task: see engine/admission.py)."""
+supervisor (every wake-up costs a thread switch per task: see engine/core/admission.py)."""
 
 from __future__ import annotations
 

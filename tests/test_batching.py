@@ -1,6 +1,6 @@
 """Dynamic batching: tasks headed for one slot are stacked into one session call, outputs split
 back per task. Tolerance: ONNX Runtime's output bits may depend on batch size and position
-(../shared/notes/runtimes.md §4), so batched results are compared with rtol=1e-5, atol=1e-6;
+(measured: magika's rows differ by up to 1.4e-7 between batch 8 and batch 1), so batched results are compared with rtol=1e-5, atol=1e-6;
 conv models and the LiteRT models used here are batch-invariant and compared byte for byte."""
 
 from __future__ import annotations
