@@ -21,6 +21,7 @@ from tests.first_contact_hooks import describe
 from tests.models import onnx_models
 
 RNG = np.random.default_rng(24)
+pytestmark = pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 
 
 def _items(n: int, dim: int = 16) -> list[dict[str, np.ndarray]]:
@@ -127,6 +128,14 @@ def test_a_ray_only_setting_is_known_to_the_ray_engine_alone(models: SimpleNames
         Engine(models.mlp, cpus_per_slot=1)
     with pytest.raises(TypeError, match="did you mean 'cpus_per_slot'"):
         RayEngine(models.mlp, cpus_per_slt=1)
+
+
+def test_a_relative_model_path_is_made_absolute(models: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers and Ray actors open the model themselves, from a folder of their own."""
+    monkeypatch.chdir(models.dir)
+    with Engine("mlp.onnx", workers=1) as eng:
+        assert eng.config.model == str(models.mlp)
+        assert eng.infer(_items(1)[0])["probs"].shape == (1, 8)
 
 
 def test_settings_go_by_keyword(models: SimpleNamespace) -> None:

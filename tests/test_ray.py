@@ -745,6 +745,34 @@ def test_a_slot_that_cannot_be_placed_stays_starting(
 
 
 @pytest.mark.slow
+def test_the_ray_docs_run_as_written(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/ray.md's examples (marked skip for tests/test_docs.py, which has no Ray), each a
+    script run as written in a folder with model.onnx (the demo) and mlp.onnx; `ray.init()`
+    finds this cluster through RAY_ADDRESS, as it would find a laptop's `ray start --head`."""
+    if ray_only is None:
+        return
+    from tests.test_docs import REPO as DOCS_REPO
+    from tests.test_docs import blocks, run_block
+
+    examples = [b for b in blocks(DOCS_REPO / "docs" / "ray.md") if b.lang == "python"]
+    assert len(examples) == 2 and all("tests/test_ray.py" in (b.skip or "") for b in examples)
+    shutil.copy(models.mlp, tmp_path / "mlp.onnx")
+    monkeypatch.setenv("RAY_ADDRESS", ray_only.gcs)
+    outs = []
+    for block in examples:
+        done = run_block(block, tmp_path)
+        assert done.returncode == 0, f"{block.where}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        outs.append(done.stdout)
+    assert [int(ln.split()[0]) for ln in outs[0].splitlines()] == list(range(16))  # res.index, in order
+    import pyarrow.parquet as pq
+
+    labels = pq.read_table(tmp_path / "labels")
+    assert labels.num_rows == 1000 and {"id", "probs", "logits"} <= set(labels.column_names)
+
+
+@pytest.mark.slow
 def test_node_loss_replays_on_the_surviving_node(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path
 ) -> None:

@@ -86,6 +86,8 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     path = os.fspath(model) if model is not None else None
     if path is not None and not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
+    if path is not None:  # a worker or a Ray actor may run in another folder: it opens this file
+        path = os.path.abspath(path)
     if path is None and kw.get("preprocess") is None:
         raise ValueError("model=None needs a preprocess function: it is then the whole task")
     workers = kw.pop("workers", None)
