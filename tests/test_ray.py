@@ -49,7 +49,9 @@ REPO = Path(__file__).resolve().parent.parent
 HOOK = "tests.ray_support.hooks:staged"
 DELEGATED = "ray, run in the private network namespace"
 OURS = ("SlotActor", "MapWorker", "ray start", "ray/scripts/scripts.py start")
-INNER_TIMEOUT_S = 280
+INNER_TIMEOUT_S = 540  # the whole confined run (~2 min on a quiet 2-core machine); only a hang reaches it
+if not INNER:  # the first [ray] case waits for the whole confined run: the deadlock guard covers it
+    pytestmark = pytest.mark.timeout(INNER_TIMEOUT_S + 60)
 
 
 def why_no_ray() -> str | None:
@@ -626,9 +628,11 @@ def _read_back(ds: Any, models: SimpleNamespace, x: np.ndarray, batch_format: st
     assert_mlp({"probs": np.stack([r["probs"] for r in got]), "logits": np.stack([r["logits"] for r in got])}, x)
 
 
-@pytest.mark.parametrize("layout", ["fixed_size_list", "list", "tensor"])
+@pytest.mark.parametrize(("layout", "batch_format"), [
+    ("fixed_size_list", "numpy"), ("list", "pandas"), ("tensor", "numpy"), ("fixed_size_list", "pandas"),
+])  # fmt: skip
 def test_ray_data_reads_vector_columns_of_parquet(
-    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path, layout: str
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path, layout: str, batch_format: str
 ) -> None:
     """A Parquet column of lists, fixed-size lists (what docs/cli.md describes for vector
     inputs) or Ray's tensor extension feeds input x [N, 16], in numpy and pandas batches."""
@@ -647,8 +651,7 @@ def test_ray_data_reads_vector_columns_of_parquet(
         column = (pa.FixedSizeListArray.from_arrays(flat, 16) if layout == "fixed_size_list"
                   else pa.ListArray.from_arrays(pa.array(np.arange(0, 16 * 41, 16), pa.int32()), flat))
         pq.write_table(pa.table({"id": np.arange(40), "x": column}), path)
-    for batch_format in ("numpy", "pandas"):
-        _read_back(ray.data.read_parquet(str(path)), models, x, batch_format)
+    _read_back(ray.data.read_parquet(str(path)), models, x, batch_format)
 
 
 def test_ray_data_takes_pandas_frames(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
@@ -660,7 +663,6 @@ def test_ray_data_takes_pandas_frames(ray_only: SimpleNamespace | None, models: 
     x = rows(12, n=24)  # (lists of Python floats are float64: refused, see the plain-callable cases)
     frame = pd.DataFrame({"id": np.arange(24), "x": list(x)})  # an object column of float32 arrays
     _read_back(ray.data.from_pandas(frame), models, x, "pandas")
-    _read_back(ray.data.from_pandas(frame), models, x, "numpy")
 
 
 def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None:

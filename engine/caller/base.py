@@ -22,7 +22,7 @@ import numpy as np
 
 from slabpool.engine.caller import blocks
 from slabpool.engine.caller.aio import AsyncEngineMixin
-from slabpool.engine.caller.calls import check_constructor, public
+from slabpool.engine.caller.calls import InitSignature, check_constructor, public
 from slabpool.engine.caller.mapping import MapMixin
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
@@ -76,6 +76,8 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     _close_lock: threading.Lock
     _metrics: Metrics
     _owner: Owner  # the backend's owner thread (engine.core.owner) with its task ledger
+
+    __signature__ = InitSignature()  # help(Engine), inspect.signature(Engine): __init__'s, not __new__'s
 
     def __new__(cls, *args: Any, **kw: Any) -> Self:
         """A wrong call fails here, in the caller's words ("Engine() got an unexpected setting

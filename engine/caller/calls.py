@@ -75,6 +75,18 @@ def check_constructor(cls: type, args: tuple[Any, ...], kw: dict[str, Any]) -> N
     check_settings(owner, kw, settings_of(cls))
 
 
+class InitSignature:
+    """A class's `__signature__`: that of its __init__ (less self), which a __new__ that only
+    checks the call would otherwise hide from help() and inspect.signature()."""
+
+    def __get__(self, obj: object, cls: type) -> inspect.Signature:
+        if obj is not None:
+            raise AttributeError("__signature__")
+        init = next(k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__)
+        sig = inspect.signature(init)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
 @functools.cache
 def settings_of(cls: type) -> frozenset[str]:
     """The keyword parameters of cls.__init__, and of the parents it hands its **settings to."""

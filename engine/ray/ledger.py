@@ -25,6 +25,7 @@ from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import KillReason, SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.ray.actor import ActorDone, ActorReady, SlotActor
+from slabpool.engine.ray.placement import placeable, resources, slot_request
 from slabpool.engine.ray.reload import RayReload
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash
@@ -151,7 +152,8 @@ class _Ledger(OwnerThread, TaskLedger):
         for s in self.slots:
             s.move(SlotState.STARTING)
         refs = [s.actor.ready.remote() for s in self.slots]
-        need, short = placeable(len(self.slots), self.request())
+        request = slot_request(*self._actor_options)
+        need, short = placeable(len(self.slots), request)
         if short:
             log.warning("%s; slots beyond the first %d stay STARTING until Ray can place them (their tasks "
                         "wait for the other slots)", short, need)
@@ -160,12 +162,12 @@ class _Ledger(OwnerThread, TaskLedger):
             if not ready:
                 raise E.SessionInitError(
                     f"no Ray actor ready after {self.cfg.startup_timeout} s: the cluster lacks the resources "
-                    f"(each slot asks {self.request()}; the cluster has {_resources()} in all, "
-                    f"{_resources(free=True)} free) or cannot import the model's code")
+                    f"(each slot asks {request}; the cluster has {resources()} in all, "
+                    f"{resources(free=True)} free) or cannot import the model's code")
             if len(ready) < need:
                 log.warning("%d of %d slots ready after %s s; the others stay STARTING (each slot asks %s; "
-                            "free now: %s)", len(ready), len(refs), self.cfg.startup_timeout, self.request(),
-                            _resources(free=True))
+                            "free now: %s)", len(ready), len(refs), self.cfg.startup_timeout, request,
+                            resources(free=True))
             done = set(ready)
             for s, ref in zip(self.slots, refs, strict=True):
                 if ref in done:
@@ -182,14 +184,6 @@ class _Ledger(OwnerThread, TaskLedger):
             self._kill_all()
             raise
         self.start_loop()
-
-    def request(self) -> dict[str, float]:
-        """The resources one slot's actor asks of Ray (num_cpus, num_gpus, memory, resources)."""
-        cpus_per_slot, actor_options = self._actor_options
-        extra = dict((actor_options(0) if callable(actor_options) else actor_options) or {})
-        want = {"CPU": float(extra.get("num_cpus", cpus_per_slot)), "GPU": float(extra.get("num_gpus") or 0),
-                "memory": float(extra.get("memory") or 0), **{k: float(v) for k, v in (extra.get("resources") or {}).items()}}
-        return {k: v for k, v in want.items() if v > 0}
 
     def _on_ready(self, s: _RaySlot, msg: ActorReady) -> None:
         if msg.error is not None:
@@ -494,27 +488,6 @@ class _Ledger(OwnerThread, TaskLedger):
             self.kill_actor(s.actor)
             if s.state is not SlotState.STOPPED:
                 s.state = SlotState.STOPPED
-
-
-def placeable(slots: int, request: dict[str, float]) -> tuple[int, str]:
-    """How many of `slots` actors asking `request` each the cluster holds in all (at least 1:
-    an autoscaler may add a node for the first), and what says why not all ('' if all fit)."""
-    total = _resources()
-    fits = slots
-    short = ""
-    for name, amount in request.items():
-        n = int(total.get(name, 0.0) // amount)
-        if n < fits:
-            fits = n
-            short = (f"the Ray cluster holds {n} of {slots} slots: each asks {name}={amount:g}, the cluster "
-                     f"has {name}={total.get(name, 0.0):g} in all")
-    return max(1, fits), short
-
-
-def _resources(free: bool = False) -> dict[str, float]:
-    """The cluster's resources (or those free now), without Ray's per-node bookkeeping ones."""
-    got = ray.available_resources() if free else ray.cluster_resources()  # type: ignore[no-untyped-call]
-    return {k: float(v) for k, v in got.items() if not k.startswith(("node:", "accelerator_type:"))}
 
 
 def _permanently_dead(exc: BaseException) -> bool:
