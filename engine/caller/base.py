@@ -22,7 +22,7 @@ import numpy as np
 
 from slabpool.engine.caller import blocks
 from slabpool.engine.caller.aio import AsyncEngineMixin
-from slabpool.engine.caller.calls import InitSignature, check_constructor, public
+from slabpool.engine.caller.calls import CheckedConstructor, public
 from slabpool.engine.caller.mapping import MapMixin
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
@@ -61,7 +61,7 @@ class Owner(Protocol):
     def start_reload(self, plan: Any) -> None: ...  # the backend's own `_reload_plan`
 
 
-class BaseEngine(MapMixin, AsyncEngineMixin):
+class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
     """The caller's API, shared by every backend: `Engine` (local worker processes) and
     `RayEngine` (Ray actors). The constructor is here, once: every setting is a typed
     keyword-only parameter with its default, validated by `engine.core.config.resolve`."""
@@ -76,14 +76,6 @@ class BaseEngine(MapMixin, AsyncEngineMixin):
     _close_lock: threading.Lock
     _metrics: Metrics
     _owner: Owner  # the backend's owner thread (engine.core.owner) with its task ledger
-
-    __signature__ = InitSignature()  # help(Engine), inspect.signature(Engine): __init__'s, not __new__'s
-
-    def __new__(cls, *args: Any, **kw: Any) -> Self:
-        """A wrong call fails here, in the caller's words ("Engine() got an unexpected setting
-        'max_workers'; did you mean 'workers'?"), before anything starts."""
-        check_constructor(cls, args, kw)
-        return super().__new__(cls)
 
     def __init__(
         self,
