@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -196,6 +197,12 @@ def test_a_non_tensor_output_is_named_with_the_converter_option(tmp_path: Path) 
 
 # -- 19.3: payloads cross intact, model inputs are refused clearly ------------------------------
 
+def _matrix(a: np.ndarray) -> np.matrix:  # type: ignore[type-arg]
+    with warnings.catch_warnings():  # numpy's advice against matrix, which a caller may still pass
+        warnings.simplefilter("ignore", PendingDeprecationWarning)
+        return np.asmatrix(a)
+
+
 Point = collections.namedtuple("Point", "x y")
 _REC = np.rec.array([(1, 2.5, b"ab"), (3, 4.5, b"cd")], dtype=[("i", "<i4"), ("f", "<f4"), ("s", "S2")])
 PAYLOADS = {
@@ -204,7 +211,7 @@ PAYLOADS = {
     "record array": _REC,
     "structured": _REC.view(np.ndarray).astype([("i", "<i4"), ("f", "<f4"), ("s", "S2")]),
     "structured 0-d": np.array((7, 1.5), dtype=[("a", "<i2"), ("b", "<f8")]),
-    "matrix": np.matrix([[1, 2], [3, 4]], dtype=np.int16),
+    "matrix": _matrix(np.array([[1, 2], [3, 4]], dtype=np.int16)),
     "non-contiguous masked": np.ma.array(np.arange(20.0), mask=np.arange(20) % 3 == 0)[::2],
     "namedtuple": Point(np.arange(3), "label"),
     "OrderedDict": collections.OrderedDict([("b", np.ones(2)), ("a", 1)]),
@@ -263,7 +270,7 @@ def test_an_array_subclass_of_another_library_is_refused_at_submit() -> None:
 
 @pytest.mark.parametrize(("inputs", "error"), [
     (np.ma.array(np.ones((2, 16), np.float32), mask=np.zeros((2, 16), bool)), "a masked array .*arr.filled"),
-    (np.matrix(np.ones((2, 16), np.float32)), r"a matrix .*np.asarray"),
+    (_matrix(np.ones((2, 16), np.float32)), r"a matrix .*np.asarray"),
     (np.rec.array(np.zeros((2, 16), [("a", "<f4")])), r"a record array .*fields \['a'\]"),
     (np.zeros((2, 16), [("a", "<f2"), ("b", "<f2")]), r"dtype <f4 \(float32\), got \|V4 \(\[\('a'"),
     (np.empty((2, 16), object), r"dtype <f4 \(float32\), got \|O"),
