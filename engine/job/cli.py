@@ -65,10 +65,25 @@ class Parser(argparse.ArgumentParser):
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    """argparse names the option in its message (`argument --workers: ...`); a type function
+    says what is accepted, never raising a bare ValueError (argparse would name the function)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _batch_size(text: str) -> int | None:
+    """--batch-size B, or `auto` (as infer() takes it): the job's default, None."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def _columns(text: str) -> tuple[str, ...]:
@@ -79,9 +94,12 @@ def _columns(text: str) -> tuple[str, ...]:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -104,10 +122,10 @@ def build_parser() -> Parser:
                           "--preprocess), .jsonl/.txt lines for --preprocess, or - for stdin")
     run.add_argument("-o", "--output", type=Path, help="a folder, or a single .npy/.npz/.parquet file")
     run.add_argument("--workers", type=_positive_int, help="worker processes (default: usable CPUs)")
-    run.add_argument("--batch-size", type=_positive_int, default=None,
+    run.add_argument("--batch-size", type=_batch_size, default=None, metavar="B|auto",
                      help="rows of .npy/.npz/tables per model call (default: calls of ~2 ms, from the measured "
                           "time per row; a task holds ~30 ms of calls); for other inputs, items stacked into one "
-                          "model call (default 1); with --batched, items per hook call (default 64)")
+                          "model call (default 1); with --batched, items per hook call (default 64); auto: the default")
     run.add_argument("--preprocess", metavar="MOD:FN", help="runs in the workers: item -> model feeds")
     run.add_argument("--postprocess", metavar="MOD:FN", help="runs in the workers: (outputs, item) -> row(s)")
     run.add_argument("--batched", action="store_true",
