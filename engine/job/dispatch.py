@@ -161,17 +161,18 @@ def settle(run: JobRun, eng: Any, group: list[tuple[int, Callable[[], Any], dict
                 alone = exc
             settle(run, eng, [entry], alone)
         return
-    for j, (index, _, kept) in enumerate(group):
-        run.collector.add(index, share(run, outcome, j, len(group)), kept)
+    for (index, _, kept), mine in zip(group, shares(run, outcome, len(group)), strict=True):
+        run.collector.add(index, mine, kept)
 
 
-def share(run: JobRun, outcome: Result | BaseException, j: int, n: int) -> Result | BaseException:
-    """Item j's share of a task's outcome (a batched list's result splits per item)."""
+def shares(run: JobRun, outcome: Result | BaseException, n: int) -> list[Result | BaseException]:
+    """Each item's share of a task's outcome: a batched list's result split once, into its n
+    items' (one split per list, not one per item: the bookkeeping stays linear in the list)."""
     if not run.batched or not isinstance(outcome, Result):
-        return outcome
+        return [outcome] * n
     try:
         parts = job_hooks.split(outcome.outputs, n, post=run.spec.postprocess is not None,
                                 model=run.spec.model is not None)
     except ValueError as exc:
-        return RowError(str(exc))
-    return dataclasses.replace(outcome, outputs=parts[j])
+        return [RowError(str(exc))] * n
+    return [dataclasses.replace(outcome, outputs=part) for part in parts]
