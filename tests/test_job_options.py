@@ -109,3 +109,126 @@ def test_a_batched_result_is_split_once_per_list(size: int, tmp_path: Path, monk
         want = np.repeat(np.asarray(list(order), np.float32)[:, None], 13, axis=1)
         np.testing.assert_array_equal(np.load(out), want)
         assert len(calls) == math.ceil(n / size) and sum(calls) == n, (kind, len(calls))
+
+
+# -- the fingerprint: every option that shapes the output ------------------------------------------
+
+
+def _table(tmp: Path, n: int) -> Path:
+    x = rows(n)
+    t = pa.table({"id": list(range(n)), "name": [f"n{i}" for i in range(n)],
+                  "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 16)})
+    import pyarrow.parquet as pq
+
+    pq.write_table(t, tmp / "t.parquet", row_group_size=50)
+    return tmp / "t.parquet"
+
+
+def _numbers(tmp: Path, n: int) -> Path:
+    (tmp / "n.jsonl").write_text("".join(f"{i}\n" for i in range(n)))
+    return tmp / "n.jsonl"
+
+
+def _items(tmp: Path, n: int) -> Path:
+    return jsonl(tmp / "in.jsonl", [{"i": i, "x": r.tolist()} for i, r in enumerate(rows(n))])
+
+
+# (case, input, OUTPUT name, first run's options, the rerun's, what the refusal says); MODEL
+# is the mlp unless the options say "-" (no model)
+CHANGED: list[tuple[str, Any, str, list[str], list[str], str]] = [
+    ("keep-other", _table, "o.parquet", ["--keep", "id"], ["--keep", "name"], "--keep was id, now name"),
+    ("keep-order", _table, "o.parquet", ["--keep", "id,name"], ["--keep", "name,id"],
+     "--keep was id,name, now name,id"),
+    ("keep-dropped", _table, "o.parquet", ["--keep", "id"], [], "--keep was id, now (none)"),
+    ("text", _numbers, "o.npz", ["-", "--preprocess", "tests.cli_hooks:square"],
+     ["-", "--preprocess", "tests.cli_hooks:square", "--text"], "--text was off, now on"),
+    ("hook-batch", _items, "o.npz", ["--preprocess", "tests.cli_hooks:feeds_batch", "--batch-size", "8"],
+     ["--preprocess", "tests.cli_hooks:feeds_batch", "--batch-size", "16"],
+     "--batch-size (the items a batched hook gets at once) was 8, now 16"),
+    ("postprocess", _items, "o.parquet", ["--preprocess", "tests.cli_hooks:feeds"],
+     ["--preprocess", "tests.cli_hooks:feeds", "--postprocess", "tests.cli_hooks:tagged"],
+     "--postprocess was (none), now tests.cli_hooks:tagged"),
+    ("two-at-once", _items, "res", ["--preprocess", "tests.cli_hooks:feeds"],
+     ["--preprocess", "tests.cli_hooks:feeds_batch", "--batch-size", "4"],
+     "--preprocess was tests.cli_hooks:feeds, now tests.cli_hooks:feeds_batch; --batched (hooks that take a "
+     "list) was off, now on; --batch-size (the items a batched hook gets at once) was (none), now 4"),
+]
+
+
+def _argv(tmp: Path, model: Path, src: Path, out: Path, opts: list[str]) -> list[Any]:
+    head = ["run", src] if opts[:1] == ["-"] else ["run", model, src]
+    return [*head, "-o", out, "--workers", 2, "--durable-every", 0.05, *(o for o in opts if o != "-")]
+
+
+REFUSALS = [(*c, False) for c in CHANGED] + [(*c, True) for c in CHANGED if c[0] in ("keep-other", "hook-batch")]
+
+
+@pytest.mark.parametrize(("case", "make", "name", "first", "then", "says", "partial"), REFUSALS,
+                         ids=[f"{c[0]}-{'part-done' if c[-1] else 'complete'}" for c in REFUSALS])
+def test_a_resume_with_other_options_is_refused_naming_them(
+    case: str, make: Any, name: str, first: list[str], then: list[str], says: str, partial: bool,
+    tmp_path: Path, models: SimpleNamespace,
+) -> None:
+    """A rerun on the OUTPUT of a job run with other options would mix two jobs' rows (or
+    die on a column it lacks): refused, each differing option named with its old and new
+    value; nothing of the first job is touched. Complete, and with part of the items durable
+    (the journal of a job killed after its first commits)."""
+    src, out = make(tmp_path, 300), tmp_path / name
+    p = slabpool(*_argv(tmp_path, models.mlp, src, out, first))
+    assert p.returncode == 0, p.stderr
+    parts = out if out.suffix == "" else Path(f"{out}.parts")
+    if partial:
+        journal = (parts / "journal.jsonl").read_text().splitlines()
+        (parts / "journal.jsonl").write_text(journal[0] + "\n")  # as durable when it was killed
+        if out.is_file():
+            out.unlink()
+    before = {p: p.read_bytes() for p in sorted(parts.rglob("*")) if p.is_file()}
+    p = slabpool(*_argv(tmp_path, models.mlp, src, out, then))
+    line = one_line(p, "holds results of a different job", says)
+    assert "KeyError" not in line
+    assert {p: p.read_bytes() for p in sorted(parts.rglob("*")) if p.is_file()} == before
+
+
+def test_the_model_is_known_by_its_bytes(tmp_path: Path, models: SimpleNamespace) -> None:
+    """The model rewritten at the same path (a deploy) is another job; the same bytes touched
+    or moved are the same job."""
+    import shutil
+
+    from tests.models import onnx_models
+
+    np.save(tmp_path / "in.npy", rows(40))
+    model = tmp_path / "m.onnx"
+    shutil.copyfile(models.mlp, model)
+    run = ("run", model, tmp_path / "in.npy", "-o", tmp_path / "o.npz", "--workers", 1)
+    assert slabpool(*run).returncode == 0
+    os_touch = model.stat().st_mtime_ns + 10**9
+    import os
+
+    os.utime(model, ns=(os_touch, os_touch))
+    p = slabpool(*run)
+    assert p.returncode == 0 and "all already durable" in p.stdout, p.stderr
+    onnx_models.mlp(model, seed=7)  # same inputs and outputs, other weights
+    one_line(slabpool(*run), "different job", "MODEL was sha256 ")
+
+
+@pytest.mark.parametrize("change", [["--workers", "1"], ["--batch-size", "7"], ["--start-method", "spawn"],
+                                    ["--max-attempts", "5"], ["--task-timeout", "30"], ["--max-failures", "3"]],
+                         ids=lambda c: c[0])
+def test_options_that_do_not_shape_the_output_may_change(change: list[str], tmp_path: Path,
+                                                         models: SimpleNamespace) -> None:
+    np.save(tmp_path / "in.npy", rows(40))
+    run = ("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npz")
+    assert slabpool(*run, "--workers", 2).returncode == 0
+    p = slabpool(*run, *change)
+    assert p.returncode == 0 and "all already durable" in p.stdout, p.stderr
+
+
+def test_a_manifest_of_an_earlier_version_is_refused_clearly(tmp_path: Path, models: SimpleNamespace) -> None:
+    np.save(tmp_path / "in.npy", rows(4))
+    run = ("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npz")
+    assert slabpool(*run).returncode == 0
+    manifest = tmp_path / "o.npz.parts" / "manifest.json"
+    old = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({"format": "slabpool-job/1", "job": {k: old["job"][k] for k in (
+        "input", "count", "preprocess", "postprocess")}}))
+    one_line(slabpool(*run), "made by an earlier slabpool", "--overwrite")

@@ -54,12 +54,20 @@ from slabpool.engine.job.dispatch import by_blocks, by_items, pending_items
 from slabpool.engine.job.progress import Interrupts, Progress, StopNow
 from slabpool.engine.job.report import JobOutcome, Latency, PeakRss, Report, SlotReport
 from slabpool.engine.job.sources import JobError, RowReader, Source, open_source
-from slabpool.engine.job.spec import FailureLimit, JobSpec, StopFailures, check_paths, fingerprint
-from slabpool.engine.job.store import Store, publish, write_atomic
+from slabpool.engine.job.spec import (
+    FailureLimit,
+    JobSpec,
+    StopFailures,
+    check_paths,
+    fingerprint,
+    hook_batch,
+    is_batched,
+    refusal,
+)
+from slabpool.engine.job.store import DifferentJob, Store, publish, write_atomic
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 
-BATCHED_DEFAULT = 64  # items per hook call with batched hooks when --batch-size is not given
 TICK_S = 0.005  # between outcomes, commits and progress are looked at this often at most
 
 
@@ -74,9 +82,13 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
     source.choose_keep(spec.keep)
     direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
     try:
-        store = Store.open(spec.parts, fingerprint(spec, source), resume=spec.resume, overwrite=spec.overwrite,
-                           parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep},
-                           direct=direct, count=source.count)
+        job = fingerprint(spec, source)
+        try:
+            store = Store.open(spec.parts, job, resume=spec.resume, overwrite=spec.overwrite, parquet=spec.parquet,
+                               keep_types={k: source.keep_types.get(k) for k in spec.keep}, direct=direct,
+                               count=source.count)
+        except DifferentJob as exc:
+            raise JobError(refusal(spec.parts, exc.manifest, job)) from None
         try:
             with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
                 return _run_on(spec, source, store, t0, limit, intr, stream)
@@ -151,9 +163,8 @@ class JobRun:
         self.last_stats = self.next_tick = 0.0
         self.restarts = 0
         self.todo = 0
-        pre, post = spec.preprocess, spec.postprocess
-        self.batched = spec.batched or job_hooks.hook_batched(pre) or job_hooks.hook_batched(post)
-        self.chunk = (spec.batch_size or BATCHED_DEFAULT) if self.batched else 1
+        self.batched = is_batched(spec)
+        self.chunk = hook_batch(spec) or 1
 
     def execute(self, source: Source, todo: list[tuple[int, int]]) -> None:
         intr = self.intr

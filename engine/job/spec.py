@@ -4,12 +4,16 @@ the same job, so that one resumes the other)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job.sources import JobError, Source
+from slabpool.engine.job.store.journal import FORMAT
 
+BATCHED_DEFAULT = 64  # items per hook call with batched hooks when --batch-size is not given
 SYSTEMATIC = 100  # by default the job stops when this many first settled items all failed
 
 
@@ -143,11 +147,83 @@ def _check_existing(spec: JobSpec) -> None:
                        "choose another OUTPUT")
 
 
+# Each key of the fingerprint, as the refusal of a resume names it. Every option that shapes
+# what is stored is here; those that do not (--workers, --start-method, --max-attempts,
+# --task-timeout, --max-failures, --durable-every, --log-every, and --batch-size where it only
+# sizes the model's calls) may change between runs.
+OPTIONS = {
+    "model": "MODEL", "input": "INPUT", "count": "the item count", "output": "the OUTPUT format",
+    "preprocess": "--preprocess", "postprocess": "--postprocess", "batched": "--batched (hooks that take a list)",
+    "hook_batch": "--batch-size (the items a batched hook gets at once)", "keep": "--keep", "text": "--text",
+    "columns": "--columns",
+}
+
+
+def is_batched(spec: JobSpec) -> bool:
+    """The hooks take a list of items: --batched, or a hook that says `batched = True`."""
+    return spec.batched or job_hooks.hook_batched(spec.preprocess) or job_hooks.hook_batched(spec.postprocess)
+
+
+def hook_batch(spec: JobSpec) -> int | None:
+    """The items a batched hook gets at once (None: the hooks are not batched)."""
+    return (spec.batch_size or BATCHED_DEFAULT) if is_batched(spec) else None
+
+
 def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
-    """What makes two runs the same job (workers and batch size do not change results' rows)."""
-    model = None
-    if spec.model is not None:
-        st = spec.model.stat()
-        model = {"path": str(spec.model.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    return {"model": model, "input": source.fingerprint, "count": source.count,
-            "preprocess": spec.preprocess, "postprocess": spec.postprocess}
+    """What makes two runs the same job: the model's bytes, the input, and every option that
+    shapes what is stored (OPTIONS). A batched hook's list size is one (a tokenizer pads each
+    list to its longest item); the size of a model call is not (a row's result does not
+    depend on the rows it is computed with)."""
+    batched = is_batched(spec)
+    return {"model": model_fingerprint(spec.model), "input": source.fingerprint, "count": source.count,
+            "output": output_kind(spec), "preprocess": spec.preprocess, "postprocess": spec.postprocess,
+            "batched": batched, "hook_batch": hook_batch(spec), "keep": list(spec.keep), "text": spec.text,
+            "columns": None}
+
+
+def output_kind(spec: JobSpec) -> str:
+    return spec.output.suffix[1:] if spec.single_file else "folder"
+
+
+def model_fingerprint(model: Path | None) -> dict[str, Any] | None:
+    """The model file by its bytes, wherever it lies (a copy, a move or a touch is the same
+    model; a rewrite is not)."""
+    if model is None:
+        return None
+    with open(model, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"size": model.stat().st_size, "sha256": digest}
+
+
+def refusal(parts: Path, old: Any, new: dict[str, Any]) -> str:
+    """Why OUTPUT's job is not this one: each option that differs, with its old and new value."""
+    where = f"{parts} holds results of a different job"
+    if not isinstance(old, dict) or old.get("format") != FORMAT:
+        return (f"{where}: made by an earlier slabpool, whose manifest does not record every option that "
+                "shapes the output; pass --overwrite to start over, or choose another OUTPUT")
+    job = old.get("job") or {}
+    diffs = [f"{OPTIONS.get(k, k)} was {_shown(k, job.get(k))}, now {_shown(k, new.get(k))}"
+             for k in (*OPTIONS, *(k for k in {*job, *new} if k not in OPTIONS))
+             if job.get(k) != new.get(k)]
+    return f"{where} ({'; '.join(diffs)}); rerun with the same options, choose another OUTPUT or pass --overwrite"
+
+
+def _shown(key: str, value: Any) -> str:
+    if value is None or value == []:
+        return "(none)"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if key == "keep":
+        return ",".join(map(str, value))
+    if key == "model" and isinstance(value, dict):
+        return f"sha256 {str(value.get('sha256'))[:12]}... ({value.get('size')} bytes)"
+    if key == "input" and isinstance(value, dict):
+        what = value.get("path") or "stdin"
+        if "files" in value:
+            return f"{what} ({len(value['files'])} files)"
+        if "stdin" in value:
+            return f"stdin (blake2b {str(value['stdin'])[:12]})"
+        return f"{what} ({value.get('size')} bytes, mtime_ns {value.get('mtime_ns')})"
+    if key == "columns" and isinstance(value, dict):
+        return " ".join(f"{k}={','.join(v)}" for k, v in value.items())
+    return str(value)

@@ -34,9 +34,9 @@ engine.job.parquet), `output` the single-file OUTPUT and reading a job back (`re
 from slabpool.engine.job.parquet import INDEX_KEY, Schema
 from slabpool.engine.job.sources import JobError
 from slabpool.engine.job.store.files import savez, write_atomic, write_json
-from slabpool.engine.job.store.journal import Entry, Failure, Store
+from slabpool.engine.job.store.journal import DifferentJob, Entry, Failure, Store
 from slabpool.engine.job.store.output import assemble, publish, read_output, save_output
 from slabpool.engine.job.store.rows import RowError
 
-__all__ = ["INDEX_KEY", "Entry", "Failure", "JobError", "RowError", "Schema", "Store", "assemble", "publish",
+__all__ = ["INDEX_KEY", "DifferentJob", "Entry", "Failure", "JobError", "RowError", "Schema", "Store", "assemble", "publish",
            "read_output", "save_output", "savez", "write_atomic", "write_json"]

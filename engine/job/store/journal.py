@@ -27,6 +27,16 @@ from slabpool.engine.job.store.direct import DirectFiles, crc_of, item_runs
 from slabpool.engine.job.store.files import append_synced, digest, write_atomic, write_json
 
 Array = npt.NDArray[Any]
+FORMAT = "slabpool-job/2"  # manifest.json's format (engine.job.spec.fingerprint says what "job" holds)
+
+
+class DifferentJob(JobError):
+    """OUTPUT's manifest is another job's; `manifest` is what it holds (the caller says how
+    the jobs differ)."""
+
+    def __init__(self, message: str, manifest: Any) -> None:
+        super().__init__(message)
+        self.manifest = manifest
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,7 @@ class Store:
             store._check(manifest, fingerprint)
             store.shards.mkdir(exist_ok=True)
             if not manifest.exists():
-                write_json(manifest, {"format": "slabpool-job/1", "job": fingerprint})
+                write_json(manifest, {"format": FORMAT, "job": fingerprint})
             store.load()
         except BaseException:
             store.close()
@@ -141,9 +151,8 @@ class Store:
             old = json.loads(manifest.read_text())
         except (OSError, ValueError) as exc:
             raise JobError(f"{manifest} is unreadable ({exc}); pass --overwrite to start over") from exc
-        if old.get("job") != fingerprint:
-            raise JobError(f"{manifest.parent} holds results of a different job (input, model or hooks "
-                           "changed); choose another OUTPUT or pass --overwrite")
+        if old.get("job") != fingerprint or old.get("format") != FORMAT:
+            raise DifferentJob(f"{manifest.parent} holds results of a different job", old)
 
     def close(self) -> None:
         if self._files is not None:
