@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +22,8 @@ import pytest
 
 from slabpool.engine.job.store import read_output
 from tests.reference import ort_run
-from tests.test_cli import CLI, DEADLINE, ENV, REPO, durable_indexes, jsonl, slabpool, wait_until
+from tests.test_cli import CLI, durable_indexes, jsonl, slabpool
+from tests.test_cli_signals import Held
 
 RNG = np.random.default_rng(121)
 
@@ -39,20 +39,16 @@ def journal(parts: Path) -> list[dict[str, object]]:
 
 
 def kill_mid_run_then_resume(args: list[object], parts: Path, n: int, size: int) -> set[int]:
-    """Run the job, SIGKILL it once two blocks are durable, resume it; what was durable then."""
-    cli = subprocess.Popen(list(map(str, args)), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: len(durable_indexes(parts)) >= 2 * size, "some blocks became durable")
-        assert cli.poll() is None, "the job ended before it could be killed"
-        workers = psutil.Process(cli.pid).children(recursive=True)
-        cli.send_signal(signal.SIGKILL)
-        cli.communicate(timeout=DEADLINE)
-    finally:
-        cli.kill()
+    """Run the job, SIGKILL it while it is held after its first commit (the test's chosen
+    block: engine.job.signals, SLABPOOL_TEST_HOLD), resume it; what was durable then. With
+    --durable-every 0.001 the first commit holds the first blocks settled, never the job."""
+    held = Held(parts.parent, "commit:1", list(args[len(CLI):]))
+    workers = psutil.Process(held.cli.pid).children(recursive=True)
+    held.cli.send_signal(signal.SIGKILL)
+    held.finish()
     psutil.wait_procs(workers, timeout=20)
     durable = durable_indexes(parts)
-    assert 0 < len(durable) < n
+    assert 0 < len(durable) < n and len(durable) % size == 0
     p = slabpool(*args[len(CLI):], "--resume")
     assert p.returncode == 0, p.stderr
     return set(durable)
@@ -121,7 +117,7 @@ def test_sigkill_mid_run_resumes_by_blocks(tmp_path: Path, models: SimpleNamespa
     out = tmp_path / "out.npy"
     parts = Path(f"{out}.parts")
     args = [*CLI, "run", models.slow, tmp_path / "in.npy", "-o", out, "--workers", 2, "--batch-size", size,
-            "--durable-every", 0.1]
+            "--durable-every", 0.001]
     durable = kill_mid_run_then_resume(args, parts, n, size)
     report = json.loads((parts / "report.json").read_text())
     assert report["skipped_durable"] == len(durable) and report["computed_this_run"] == n - len(durable)

@@ -156,7 +156,7 @@ def test_sigkill_mid_table_resumes_byte_identical(tmp_path: Path, models: Simple
     out = tmp_path / "o.npy"
     parts = Path(f"{out}.parts")
     args = [*CLI, "run", models.slow, tmp_path / "t.parquet", "-o", out, "--workers", 2, "--batch-size", size,
-            "--durable-every", 0.1]
+            "--durable-every", 0.001]
     durable = kill_mid_run_then_resume(args, parts, n, size)
     rep = report(parts)
     assert rep["skipped_durable"] == len(durable) and rep["computed_this_run"] == n - len(durable)

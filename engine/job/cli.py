@@ -17,7 +17,6 @@ import importlib.util
 import logging
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -25,17 +24,15 @@ import traceback
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import numpy as np
+# Light imports only up here: the signal handlers go in before numpy and the job's modules
+# are imported (main), so that a Ctrl-C during those imports is the job's, not a traceback.
+import slabpool
+from slabpool.engine.job import signals
 
-from slabpool import __version__
-from slabpool.engine.job.report import summary
-from slabpool.engine.job.run import run_job
-from slabpool.engine.job.sources import JobError
-from slabpool.engine.job.spec import JobSpec
-from slabpool.engine.job.store import write_atomic
-from slabpool.workers.errors import EngineError
+if TYPE_CHECKING:
+    from slabpool.engine.job.spec import JobSpec
 
 DEMO_ITEMS = 512
 RUN_EXAMPLES = """\
@@ -110,7 +107,7 @@ def build_parser() -> Parser:
                            "through shared memory, crashes replayed.",
                epilog="example:\n  slabpool run model.onnx in.npy -o out.npy    (slabpool run alone: the demo)")
     p.add_argument("--verbose", "-v", action="store_true", help="tracebacks and engine logs")
-    p.add_argument("--version", action="version", version=f"slabpool {__version__}")
+    p.add_argument("--version", action="version", version=f"slabpool {slabpool.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     run = sub.add_parser("run", help="map a model over items (resumable); no arguments: the demo",
@@ -174,10 +171,19 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `slabpool` command; `argv=None` means this process is the command (sys.argv)."""
+    """The `slabpool` command; `argv=None` means this process is the command (sys.argv): its
+    signal handlers then stay until it exits (engine.job.signals says what a signal does when)."""
     as_command = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    with signals.interrupts(exit_now=as_command) as intr:
+        try:
+            return _command(build_parser(), argv, intr)
+        except signals.Interrupted as exc:  # by a signal during the imports
+            print(f"slabpool: interrupted ({exc}) before the job started; nothing was written", file=sys.stderr)
+            return exc.status
+
+
+def _command(parser: Parser, argv: list[str], intr: signals.Interrupts) -> int:
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -187,9 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    signals.hold("imports")
+    import slabpool.engine.job.run  # noqa: F401 - numpy and the job's modules, a signal counted meanwhile
+    from slabpool.engine.job.sources import JobError
+    from slabpool.workers.errors import EngineError
+
+    intr.check()
     try:
         return int(args.func(args, argv))
-    except KeyboardInterrupt:  # outside the job's own handlers (start-up): no traceback
+    except KeyboardInterrupt:  # outside the job's own handlers: no traceback
         print(f"slabpool {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `slabpool inspect m.onnx | head -1`: the reader left; say nothing
@@ -201,15 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"slabpool {args.command}: error: {first}", file=sys.stderr)
         return 1
-    finally:
-        if as_command:  # the work is over: a late Ctrl-C must not turn the exit into a traceback
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # -- run -------------------------------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
+    from slabpool.engine.job.sources import JobError
+    from slabpool.engine.job.spec import JobSpec
+
     paths = [Path(p) for p in args.paths]
     if not paths and args.output is None and args.preprocess is None:
         return run_demo(args)
@@ -241,16 +253,30 @@ def resume_command(argv: list[str]) -> str:
 
 
 def _report_run(spec: JobSpec) -> int:
-    outcome = run_job(spec)
+    from slabpool.engine.job.report import summary
+    from slabpool.engine.job.run import run_job
+
+    try:
+        outcome = run_job(spec)
+    except signals.Interrupted as exc:  # at start-up, before any item was sent
+        _interrupted(spec, exc.status)
+        return exc.status
     for line in summary(outcome):
         print(line)
     if outcome.error is not None:
         print(f"slabpool run: error: {outcome.error}", file=sys.stderr)
     if outcome.status in (130, 143):
-        same = " (with the same input on stdin)" if spec.stdin else ""
-        print(f"slabpool: interrupted; results so far are durable in {spec.parts}. "
-              f"Resume with: {spec.command}{same}", file=sys.stderr)
+        _interrupted(spec, outcome.status)
     return outcome.status
+
+
+def _interrupted(spec: JobSpec, status: int) -> None:
+    if not (spec.parts / "manifest.json").exists():
+        print("slabpool: interrupted before the job started; nothing was written", file=sys.stderr)
+        return
+    same = " (with the same input on stdin)" if spec.stdin else ""
+    print(f"slabpool: interrupted; results so far are durable in {spec.parts}. "
+          f"Resume with: {spec.command}{same}", file=sys.stderr)
 
 
 def demo_model() -> Path:
@@ -270,6 +296,11 @@ def demo_folder() -> Path:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from slabpool.engine.job.spec import JobSpec
+    from slabpool.engine.job.store import write_atomic
+
     folder = demo_folder()
     inputs = folder / "inputs.npy"
     shape = (DEMO_ITEMS, 3, 112, 112)
@@ -299,6 +330,9 @@ def _dims(shape: tuple[int | None, ...]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, argv: list[str]) -> int:
+    import numpy as np
+
+    from slabpool.engine.job.sources import JobError
     from slabpool.engine.local.pool import Engine
 
     if not args.model.is_file():
@@ -356,6 +390,8 @@ def _mib(n: float) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
+    import numpy as np
+
     from slabpool.engine.core.config import usable_cpus
 
     try:
@@ -388,8 +424,10 @@ def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
 # -- bench -----------------------------------------------------------------------------------------
 
 
-def random_item(specs: Any, rng: np.random.Generator) -> dict[str, Any]:
-    """One item matching `describe()`: batch axis 1, other dynamic axes 8."""
+def random_item(specs: Any, rng: Any) -> dict[str, Any]:
+    """One item matching `describe()`: batch axis 1, other dynamic axes 8 (rng: numpy's Generator)."""
+    import numpy as np
+
     feeds = {}
     for s in specs:
         shape = tuple((1 if i == 0 else 8) if d is None else d for i, d in enumerate(s.shape))
@@ -404,7 +442,10 @@ def random_item(specs: Any, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import numpy as np
+
     from slabpool.engine.core.config import usable_cpus
+    from slabpool.engine.job.sources import JobError
     from slabpool.engine.local.pool import Engine
 
     if not args.model.is_file():

@@ -16,6 +16,7 @@ from slabpool.engine.caller.mapping import MapPart
 from slabpool.engine.core.task import Result
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.parquet import Schema
+from slabpool.engine.job.signals import hold
 from slabpool.engine.job.store import Failure, Store
 from slabpool.engine.job.store.files import Array
 from slabpool.engine.job.store.rows import RowError, check_rows, schema_of, to_rows
@@ -50,6 +51,7 @@ class Collector:
         self.done = self.failed = 0
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
+        self.commits = 0  # durable commits this run (a test may hold the job after one: engine.job.signals)
         # items settled one by one, gathered as columns until the next block or commit (a part)
         self.item_indices: list[int] = []
         self.item_cols: dict[str, list[Any]] = {}
@@ -234,19 +236,27 @@ class Collector:
 
     def commit(self) -> None:  # step 4
         self._flush_items()
-        if self.store.direct and (self.parts or self.failures):
+        settled = bool(self.parts or self.failures)
+        if settled:
+            self._commit()
+        self.parts, self.failures = [], []
+        self.failed_kept = {k: [] for k in self.keep_names}
+        self.pending_rows = self.pending_bytes = 0
+        self.last_commit = time.monotonic()
+        if settled:
+            self.commits += 1
+            hold("commit", self.commits)
+
+    def _commit(self) -> None:
+        if self.store.direct:
             self.store.commit_direct([(i, c) for i, c, _ in self.parts], self.failures, self.schema)
-        elif self.parts or self.failures:
+        else:
             parts = self.parts
             indices = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
             cols = ({k: _join([p[1][k] for p in parts]) for k in parts[0][1]}
                     if len(parts) > 1 else parts[0][1] if parts else {})
             kept = {k: [*(v for p in parts for v in p[2][k]), *self.failed_kept[k]] for k in self.keep_names}
             self.store.commit(indices, cols, self.failures, kept=kept, schema=self.schema)
-        self.parts, self.failures = [], []
-        self.failed_kept = {k: [] for k in self.keep_names}
-        self.pending_rows = self.pending_bytes = 0
-        self.last_commit = time.monotonic()
 
 
 def _join(pieces: list[Any]) -> Any:

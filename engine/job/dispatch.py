@@ -18,7 +18,7 @@ from slabpool.engine.caller.blocks import BlockSizer, run_blocks
 from slabpool.engine.core.task import Result
 from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job.collector import ITEM_ERRORS
-from slabpool.engine.job.progress import Interrupts
+from slabpool.engine.job.signals import Interrupts
 from slabpool.engine.job.sources import Block, RowReader, Source
 from slabpool.engine.job.sources.base import READ_ROWS
 from slabpool.engine.job.store.rows import RowError

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
@@ -108,8 +108,10 @@ def shard_indices(path: Path) -> Array:
     return np.asarray(pq.read_table(path, columns=[INDEX_KEY]).column(INDEX_KEY).to_numpy())
 
 
-def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes]) -> None:
-    """Write OUT.parquet to `f`: the shards' rows in input order (every index 0..count-1 once)."""
+def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes],
+             check: Callable[[], None] | None = None) -> None:
+    """Write OUT.parquet to `f`: the shards' rows in input order (every index 0..count-1 once).
+    `check` is called before each row group (it raises to stop: a signal)."""
     pa = require_pyarrow("a .parquet OUTPUT")
     import pyarrow.parquet as pq
 
@@ -134,6 +136,8 @@ def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes]
 
     with pq.ParquetWriter(f, schema) as writer:
         for start in range(0, count, ROW_GROUP):
+            if check is not None:
+                check()
             pieces = [table(k).slice(pos, n) for k, pos, n in _runs(where, start, min(start + ROW_GROUP, count))]
             writer.write_table(pa.concat_tables(pieces), row_group_size=ROW_GROUP)
 

@@ -1,13 +1,10 @@
-"""What the person running the job sees and does: the progress display (a bar on a terminal,
-lines otherwise) and Ctrl-C/SIGTERM (the first drains, the second stops now)."""
+"""What the person running the job sees: the progress display (a bar on a terminal, lines
+otherwise). Ctrl-C/SIGTERM (the first drains, the second stops now): engine.job.signals."""
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
-from collections.abc import Iterator
-from types import FrameType
 from typing import Any, TextIO
 
 
@@ -60,45 +57,3 @@ class Progress:
             self.bar.close()
         else:
             self.line(settled, failed, restarts)
-
-
-class StopNow(Exception):
-    """A second Ctrl-C/SIGTERM while the loop waits for work: stop at once."""
-
-
-class Interrupts:
-    """SIGINT/SIGTERM set flags (no I/O in a handler); the loop reads them. A second one
-    raises StopNow out of a wait, but only while `armed` (waiting for the engine, never in
-    the middle of a commit)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.signum = 0
-        self.armed = False
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-        self.signum = self.signum or signum
-        if self.count >= 2 and self.armed:
-            self.armed = False
-            raise StopNow
-
-    def wait(self, it: Iterator[Any]) -> Any:
-        """next(it), interruptible by a second signal; None at its end."""
-        if self.count >= 2:
-            raise StopNow
-        self.armed = True
-        try:
-            return next(it, None)
-        finally:
-            self.armed = False
-
-    def __enter__(self) -> Interrupts:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)

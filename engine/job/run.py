@@ -51,8 +51,9 @@ from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.collector import Collector
 from slabpool.engine.job.dispatch import by_blocks, by_items, pending_items
-from slabpool.engine.job.progress import Interrupts, Progress, StopNow
+from slabpool.engine.job.progress import Progress
 from slabpool.engine.job.report import JobOutcome, Latency, PeakRss, Report, SlotReport
+from slabpool.engine.job.signals import Interrupted, Interrupts, StopNow, hold, interrupts
 from slabpool.engine.job.sources import JobError, RowReader, Source, open_source
 from slabpool.engine.job.spec import (
     FailureLimit,
@@ -72,32 +73,36 @@ TICK_S = 0.005  # between outcomes, commits and progress are looked at this ofte
 
 
 def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
-    """Run (or resume) a job. Raises JobError when it cannot run at all."""
-    t0 = time.monotonic()
-    check_paths(spec)
-    limit = FailureLimit.parse(spec.max_failures)
-    if spec.keep and not spec.parquet:
-        raise JobError(f"--keep needs a .parquet OUTPUT (got {spec.output.name}): .npy/.npz hold numbers only")
-    source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
-    source.choose_keep(spec.keep)
-    direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
-    try:
+    """Run (or resume) a job. Raises JobError when it cannot run at all, Interrupted when a
+    signal stops it before it runs (engine.job.signals: the stages and what a signal does)."""
+    with interrupts() as intr:  # until the last file is written: a signal is counted, never raised
+        t0 = time.monotonic()
+        check_paths(spec)
+        limit = FailureLimit.parse(spec.max_failures)
+        if spec.keep and not spec.parquet:
+            raise JobError(f"--keep needs a .parquet OUTPUT (got {spec.output.name}): .npy/.npz hold numbers only")
+        source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
+        source.choose_keep(spec.keep)
+        direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
         job = fingerprint(spec, source)
+        intr.check()  # before anything is written: stdin read, lines counted, the model digested
         try:
-            store = Store.open(spec.parts, job, resume=spec.resume, overwrite=spec.overwrite, parquet=spec.parquet,
-                               keep_types={k: source.keep_types.get(k) for k in spec.keep}, direct=direct,
-                               count=source.count)
-        except DifferentJob as exc:
-            raise JobError(refusal(spec.parts, exc.manifest, job)) from None
-        try:
-            with Interrupts() as intr:  # until the last file is written: a late Ctrl-C is counted, not raised
+            try:
+                store = Store.open(spec.parts, job, resume=spec.resume, overwrite=spec.overwrite,
+                                   parquet=spec.parquet, keep_types={k: source.keep_types.get(k) for k in spec.keep},
+                                   direct=direct, count=source.count)
+            except DifferentJob as exc:
+                raise JobError(refusal(spec.parts, exc.manifest, job)) from None
+            try:
+                hold("open")
+                intr.check()
                 return _run_on(spec, source, store, t0, limit, intr, stream)
-        finally:
-            store.close()
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise JobError(_no_space(spec, exc)) from exc
+            finally:
+                store.close()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise JobError(_no_space(spec, exc)) from exc
 
 
 def _no_space(spec: JobSpec, exc: OSError) -> str:
@@ -183,12 +188,15 @@ class JobRun:
             eng.close(cancel_pending=True, timeout=10)
             raise
         self.startup_s = time.monotonic() - self.t0
+        hold("engine")
         t1 = self.collector.last_commit = time.monotonic()
         self.progress.begin()
         self.mode = "blocks" if reader is not None else "chunks"
         try:
             try:
-                if reader is not None:
+                if intr.count:  # during start-up: nothing is sent
+                    pass
+                elif reader is not None:
                     by_blocks(self, eng, reader, todo, intr)
                 else:
                     by_items(self, eng, source, todo, intr)
@@ -313,7 +321,7 @@ class JobRun:
         self.next_tick = now + TICK_S
         if intr.count and not self.draining:
             self.draining = True
-            self.progress.note("interrupted: finishing the items in flight (press Ctrl-C again to stop now)")
+            self.progress.note("interrupted: finishing the items in flight, then committing them")
         if col.due(self.spec.durable_every):
             col.commit()
         if now - self.last_stats >= 0.5:
@@ -333,25 +341,39 @@ class JobRun:
         text = "".join(json.dumps(f.as_json()) + "\n" for f in failures)
         write_atomic(spec.parts / "failures.jsonl", lambda f: f.write(text.encode()))
         complete = store.settled_count() >= count
-        if complete and spec.parquet and count:
-            keep = tuple(store.keep_types)
-            write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f))
-        elif complete and spec.single_file and count:
-            written, note = publish(store, spec.output)
-            if not written:
-                notes.append(f"no item succeeded: {spec.output} was not written")
-            notes.extend([note] if note else [])
+        hold("final")
+        try:
+            if complete and count and not self.intr.count:
+                notes.extend(self._write_output(store, count))
+        except Interrupted:
+            pass  # OUTPUT stays as it was (a write is atomic); a rerun writes it from what is durable
+        signalled = self.intr.count  # from here on the job is over: a signal changes nothing
         error = None
         if self.stopped:
             status, first = 1, col.first_failure
             error = f"stopped: {self.stopped}; first error: " + (f"{first.error}: {first.message}" if first else "-")
-        elif not complete:
-            status = 143 if self.interrupted == signal.SIGTERM else 130
+        elif not complete or signalled:
+            self.interrupted = self.intr.signum
+            status = 128 + self.intr.signum if self.intr.signum else 130
         else:
             status = 2 if failures else 0
         report = self._report(count, skipped, len(failures), complete, status)
         report.write(spec.parts / "report.json")
         return JobOutcome(status, report, notes, error)
+
+    def _write_output(self, store: Store, count: int) -> list[str]:
+        """The single-file OUTPUT, from what is durable (a folder OUTPUT is its parts); notes."""
+        spec = self.spec
+        if spec.parquet:
+            keep = tuple(store.keep_types)
+            write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f,
+                                                                     check=self.intr.check))
+        elif spec.single_file:
+            written, note = publish(store, spec.output)
+            if not written:
+                return [f"no item succeeded: {spec.output} was not written"]
+            return [note] if note else []
+        return []
 
     def _report(self, count: int, skipped: int, failed: int, complete: bool, status: int) -> Report:
         spec, col, st = self.spec, self.collector, self.stats
