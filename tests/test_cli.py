@@ -297,7 +297,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     out = tmp_path / "slabpool-demo" / "outputs.npy"
     assert np.load(out).shape == (512, 10)
-    assert "items/s" in p.stdout and str(out) in p.stdout
+    assert "throughput" in p.stdout and str(out) in p.stdout
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

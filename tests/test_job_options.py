@@ -232,3 +232,40 @@ def test_a_manifest_of_an_earlier_version_is_refused_clearly(tmp_path: Path, mod
     manifest.write_text(json.dumps({"format": "slabpool-job/1", "job": {k: old["job"][k] for k in (
         "input", "count", "preprocess", "postprocess")}}))
     one_line(slabpool(*run), "made by an earlier slabpool", "--overwrite")
+
+
+# -- progress and report figures -------------------------------------------------------------------
+
+
+def _rate_of(line: str) -> float | None:
+    shown = line.split(", ")[1]  # "progress: 40/40 items (100%), 61.3 items/s, eta 0 s, ..."
+    return None if shown.startswith("-") else float(shown.split()[0])
+
+
+@pytest.mark.parametrize(("kind", "n"), [("jsonl-slow", 40), ("npy-blocks", 20_000), ("npy-tiny", 3)])
+def test_the_progress_rate_is_the_reports_throughput(kind: str, n: int, tmp_path: Path,
+                                                     models: SimpleNamespace) -> None:
+    """Both count items over the running phase alone (start-up and the final writes apart), so
+    the last progress line and report.json agree; a phase too short for a rate shows none
+    (never a million items/s from a 0.4 ms interval)."""
+    if kind == "jsonl-slow":
+        items = [{"i": i, "x": r.tolist(), "sleep": 0.02} for i, r in enumerate(rows(n))]
+        src, extra = jsonl(tmp_path / "in.jsonl", items), ["--preprocess", "tests.cli_hooks:feeds"]
+    else:
+        np.save(tmp_path / "in.npy", rows(n))
+        src, extra = tmp_path / "in.npy", []
+    out = tmp_path / "o.npz"
+    p = slabpool("run", models.mlp, src, "-o", out, "--workers", 2, "--log-every", 0.05, *extra)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(Path(f"{out}.parts/report.json").read_text())
+    last = [ln for ln in p.stderr.splitlines() if "progress:" in ln][-1]
+    assert f"{n}/{n} items" in last
+    assert rep["startup_s"] + rep["running_s"] <= rep["elapsed_s"] + 1e-3
+    if rep["running_s"] < 0.1:
+        assert rep["throughput_items_per_s"] is None and _rate_of(last) is None
+        assert "too short for a rate" in p.stdout, p.stdout
+    else:
+        assert rep["throughput_items_per_s"] == round(n / rep["running_s"], 2) or abs(
+            rep["throughput_items_per_s"] - n / rep["running_s"]) <= 0.01 * rep["throughput_items_per_s"]
+        assert _rate_of(last) == pytest.approx(rep["throughput_items_per_s"], abs=0.06)
+        assert f"throughput {rep['throughput_items_per_s']:,.1f} items/s" in p.stdout

@@ -6,7 +6,8 @@ durably and resumably. The flow, step by step, is drawn in `run`.
     run         run_job: steps 1-5, the run and its engine
     dispatch    steps 2-4 by blocks of rows (one task per block) or by items (Engine.map)
     collector   settled outcomes buffered, committed to the store when due
-    progress    the progress bar or lines, Ctrl-C/SIGTERM
+    progress    the progress bar or lines, rates over the running phase
+    signals     Ctrl-C/SIGTERM at every stage (installed first by the CLI); where tests hold a job
     report      Report (report.json), JobOutcome, the summary lines
     hooks       batched hooks: a task's item is a list of items
     sources/    what it reads: open_source; base (Source, Block, RowReader), arrays (.npy, .npz,

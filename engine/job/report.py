@@ -71,8 +71,9 @@ class Report:
     batch_size: int | str  # B, or "auto"
     dispatch: str | None  # "blocks" or "chunks"; None when nothing ran
     elapsed_s: float
-    startup_s: float
-    throughput_items_per_s: float  # items this run / processing time, start-up excluded
+    startup_s: float  # from the command's start to the engine ready (before the running phase)
+    running_s: float  # the running phase: items sent and settled (the last progress line's, too)
+    throughput_items_per_s: float | None  # items this run / running_s; None when under 0.1 s (noise)
     latency_s: Latency
     slots: tuple[SlotReport, ...]
     restarts: int
@@ -100,6 +101,12 @@ class JobOutcome:
     error: str | None = None  # status 1: the one line to show
 
 
+def _throughput(r: Report) -> str:
+    if r.throughput_items_per_s is None:
+        return f"throughput - ({r.computed_this_run} items in {r.running_s * 1e3:.0f} ms: too short for a rate)"
+    return f"throughput {r.throughput_items_per_s:,.1f} items/s"
+
+
 def summary(outcome: JobOutcome) -> list[str]:
     """The lines printed at the end of a run."""
     r = outcome.report
@@ -115,8 +122,8 @@ def summary(outcome: JobOutcome) -> list[str]:
     lines = [
         f"items {r.items}: computed {r.computed_this_run} this run, {r.skipped_durable} already durable, "
         f"failed {r.failed}",
-        f"elapsed {r.elapsed_s:.2f} s (start-up {r.startup_s:.2f} s), throughput "
-        f"{r.throughput_items_per_s:.1f} items/s on {r.workers} workers (batch size {r.batch_size})",
+        f"elapsed {r.elapsed_s:.2f} s (start-up {r.startup_s:.2f} s, running {r.running_s:.2f} s), "
+        f"{_throughput(r)} on {r.workers} workers (batch size {r.batch_size})",
         f"latency p50 {lat.p50 * 1e3:.1f} ms, p95 {lat.p95 * 1e3:.1f} ms, p99 {lat.p99 * 1e3:.1f} ms",
         f"restarts {r.restarts}, replays {r.replays}, quarantines {r.quarantines}, "
         f"runtime {r.runtime or '-'} ({', '.join(r.providers) or 'no model'})",
@@ -128,7 +135,7 @@ def summary(outcome: JobOutcome) -> list[str]:
     if r.failed:
         lines.append(f"failed items are listed in {Path(r.parts) / 'failures.jsonl'}")
     lines.extend(outcome.notes)
-    if r.complete:
+    if r.complete and r.exit_status not in (130, 143):  # interrupted at the final write: not written
         lines.append(f"output: {r.output}" + (f" (its journal and report in {r.parts})"
                                                if r.output != r.parts else ""))
     return lines

@@ -23,13 +23,14 @@
   .npz streamed from them, .parquet assembled from Parquet shards by engine.job.parquet),
   report.json, a summary
 
-Ctrl-C or SIGTERM: stop submitting, finish what is in flight, commit, exit 130/143. A second
-one stops now (close(cancel_pending=True)); what was committed stays committed. The handlers
-stay in place until the run's last file is written, so a late Ctrl-C is never a traceback.
+Ctrl-C or SIGTERM (engine.job.signals: what a signal does at each stage): during the run, stop
+submitting, finish what is in flight, commit, exit 130/143; a second one stops now
+(close(cancel_pending=True)); what was committed stays committed. At start-up no item is sent;
+at the final write OUTPUT is not written (the rerun writes it).
 
 Here: the run and its engine (steps 1, 2, 5). Elsewhere in engine.job: `spec` (JobSpec, the
 checks before any work), `dispatch` (steps 2-4 by blocks or by items), `collector` (step 3-4:
-outcomes buffered and committed), `progress` (the display, Ctrl-C), `report` (report.json and
+outcomes buffered and committed), `progress` (the display), `signals` (Ctrl-C), `report` (report.json and
 the summary), `sources`, `store`.
 """
 
@@ -51,7 +52,7 @@ from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.collector import Collector
 from slabpool.engine.job.dispatch import by_blocks, by_items, pending_items
-from slabpool.engine.job.progress import Progress
+from slabpool.engine.job.progress import Progress, rate
 from slabpool.engine.job.report import JobOutcome, Latency, PeakRss, Report, SlotReport
 from slabpool.engine.job.signals import Interrupted, Interrupts, StopNow, hold, interrupts
 from slabpool.engine.job.sources import JobError, RowReader, Source, open_source
@@ -189,7 +190,7 @@ class JobRun:
             raise
         self.startup_s = time.monotonic() - self.t0
         hold("engine")
-        t1 = self.collector.last_commit = time.monotonic()
+        self.collector.last_commit = time.monotonic()
         self.progress.begin()
         self.mode = "blocks" if reader is not None else "chunks"
         try:
@@ -209,7 +210,7 @@ class JobRun:
                 self.progress.note("stopping now: cancelling what is in flight")
             self.interrupted = intr.signum if intr.count else 0
         finally:
-            self.processing_s = time.monotonic() - t1
+            self.processing_s = self.progress.end()  # the running phase: the report's rate and the last line's
             try:
                 self.collector.commit()
             finally:  # a commit that fails (a full disk) still stops the workers
@@ -388,7 +389,8 @@ class JobRun:
             exit_status=status, interrupted=signal.Signals(self.interrupted).name if self.interrupted else None,
             workers=self.workers, batch_size=spec.batch_size or "auto", dispatch=self.mode or None,
             elapsed_s=round(time.monotonic() - self.t0, 3), startup_s=round(self.startup_s, 3),
-            throughput_items_per_s=round(computed / self.processing_s, 2) if self.processing_s else 0.0,
+            running_s=round(self.processing_s, 3),
+            throughput_items_per_s=None if (r := rate(computed, self.processing_s)) is None else round(r, 2),
             latency_s=Latency(*(float(np.percentile(lat, q)) for q in (50, 95, 99))),
             slots=slots,
             restarts=st.restarts if st else 0, replays=st.replayed if st else 0,
