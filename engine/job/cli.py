@@ -90,6 +90,16 @@ def _columns(text: str) -> tuple[str, ...]:
     return names
 
 
+def _gather(text: str) -> tuple[str, tuple[str, ...]]:
+    """--columns INPUT=COL,COL,...: the model input, and the table's columns that form it."""
+    name, eq, cols = text.partition("=")
+    names = tuple(c.strip() for c in cols.split(","))
+    if not eq or not name.strip() or not all(names):
+        raise argparse.ArgumentTypeError(f"expected INPUT=COL[,COL...] (a model input, then table columns), "
+                                         f"got {text!r}")
+    return name.strip(), names
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -131,6 +141,9 @@ def build_parser() -> Parser:
     run.add_argument("--keep", metavar="COL[,COL...]", type=_columns, default=(),
                      help="copy input columns to a .parquet OUTPUT (a table's columns; path for a folder; "
                           "line for text/JSONL)")
+    run.add_argument("--columns", metavar="INPUT=COL,COL,...", type=_gather, action="append", default=[],
+                     help="a table's columns, in this order, side by side as the model input INPUT (rows "
+                          "[N, columns]; repeat for several inputs); without a hook")
     run.add_argument("--max-failures", metavar="N|P%",
                      help="stop (exit 1) after N failed items or P%% of those settled (default: stop when "
                           "the first 100 all fail)")
@@ -242,9 +255,19 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
         overwrite=args.overwrite, start_method=args.start_method, max_attempts=args.max_attempts,
         task_timeout=args.task_timeout, durable_every=args.durable_every, log_every=args.log_every,
         command=resume_command(argv), keep=args.keep, batched=args.batched, max_failures=args.max_failures,
-        text=args.text,
+        text=args.text, columns=_columns_of(args.columns),
     )
     return _report_run(spec)
+
+
+def _columns_of(given: list[tuple[str, tuple[str, ...]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    from slabpool.engine.job.sources import JobError
+
+    names = [n for n, _ in given]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise JobError(f"--columns names the input {twice!r} twice: give each input once")
+    return tuple(given)
 
 
 def resume_command(argv: list[str]) -> str:

@@ -84,6 +84,7 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
             raise JobError(f"--keep needs a .parquet OUTPUT (got {spec.output.name}): .npy/.npz hold numbers only")
         source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
         source.choose_keep(spec.keep)
+        source.choose_columns(dict(spec.columns))
         direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
         job = fingerprint(spec, source)
         intr.check()  # before anything is written: stdin read, lines counted, the model digested

@@ -80,6 +80,7 @@ class JobSpec:
     batched: bool = False  # hooks take a list of items (see engine.job.hooks)
     max_failures: str | None = None  # "N" or "P%" (FailureLimit)
     text: bool = False  # INPUT lines are raw strings, not JSON
+    columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # --columns: (model input, table columns)
 
     @property
     def single_file(self) -> bool:
@@ -178,7 +179,7 @@ def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
     return {"model": model_fingerprint(spec.model), "input": source.fingerprint, "count": source.count,
             "output": output_kind(spec), "preprocess": spec.preprocess, "postprocess": spec.postprocess,
             "batched": batched, "hook_batch": hook_batch(spec), "keep": list(spec.keep), "text": spec.text,
-            "columns": None}
+            "columns": {k: list(v) for k, v in spec.columns} or None}
 
 
 def output_kind(spec: JobSpec) -> str:

@@ -122,6 +122,12 @@ class Source:
             raise JobError(f"--keep {','.join(missing)}: {self.label} ({self.kind}) has no such column; {offer}")
         self.keep = tuple(names)
 
+    def choose_columns(self, columns: dict[str, tuple[str, ...]]) -> None:
+        """--columns INPUT=COL,COL,...: only a table offers columns to gather."""
+        if columns:
+            raise JobError(f"--columns gathers a table's columns into a model input; {self.label} is {self.kind} "
+                           "(--columns takes a Parquet, CSV or Arrow INPUT)")
+
     def bind(self, inputs: Sequence[TensorSpec]) -> None:
         """The model's inputs, once known (the engine has started); checked where it matters."""
         self.inputs = tuple(inputs)

@@ -28,7 +28,9 @@ from slabpool.workers.protocol import TensorSpec
 
 
 class TableSource(Source):
-    """A Parquet, CSV or Arrow table, read in record batches. A row is one item."""
+    """A Parquet, CSV or Arrow table, read in record batches. A row is one item. A model input
+    is the column named after it, or (--columns x=a,b,c) the columns a, b, c side by side: row
+    j of input x is [a[j], b[j], c[j]]."""
 
     keepable: tuple[str, ...]
 
@@ -39,6 +41,28 @@ class TableSource(Source):
         self.schema = self._schema()
         self.keepable = tuple(self.schema.names)
         self.keep_types = {f.name: f.type for f in self.schema}
+        self.gather: dict[str, tuple[str, ...]] = {}  # --columns: model input -> its columns, in order
+
+    def choose_columns(self, columns: dict[str, tuple[str, ...]]) -> None:
+        if columns and self.hook:
+            raise JobError("--columns feeds the model straight from the table; with --preprocess the hook gets "
+                           "each row as a dict: leave out one or the other")
+        for name, cols in columns.items():
+            missing = [c for c in cols if c not in self.schema.names]
+            if missing:
+                raise JobError(f"--columns {name}={','.join(cols)}: {self.label} has no column "
+                               f"{', '.join(map(repr, missing))} (columns: {', '.join(self.schema.names)})")
+            for c in cols:
+                t = self.schema.field(c).type
+                if not _scalar_number(self.pa, t):
+                    raise JobError(f"--columns {name}={','.join(cols)}: column {c!r} holds {t}; each gathered "
+                                   "column must hold one number a row (int, float or bool)")
+        self.gather = dict(columns)
+
+    def _read_columns(self) -> list[str]:
+        """The columns read without a hook: each input's own (or gathered ones), then --keep."""
+        own = [c for s in self.inputs for c in self.gather.get(s.name, (s.name,))]
+        return list(dict.fromkeys([*own, *self.keep]))
 
     def _schema(self) -> Any:
         raise NotImplementedError
@@ -51,16 +75,40 @@ class TableSource(Source):
         if self.hook:
             return
         names = [s.name for s in inputs]
-        missing = [n for n in names if n not in self.schema.names]
+        unknown = [n for n in self.gather if n not in names]
+        if unknown:
+            raise JobError(f"--columns {unknown[0]}=...: the model has no input {unknown[0]!r} (inputs: "
+                           f"{', '.join(names)})")
+        missing = [n for n in names if n not in self.schema.names and n not in self.gather]
         if missing:
             raise JobError(f"{self.label} has no column {', '.join(map(repr, missing))} for the model's "
                            f"input(s) {names} (columns: {', '.join(self.schema.names)}); name the columns "
-                           "after the inputs or pass --preprocess MOD:FN")
+                           "after the inputs, gather them with --columns INPUT=COL,COL,... or pass --preprocess MOD:FN")
         for spec in inputs:
+            if spec.name in self.gather:
+                self._check_gathered(spec)
+                continue
             leaf = _leaf_type(self.pa, self.schema.field(spec.name).type)
             if leaf is None:
                 raise JobError(f"{self.label}: column {spec.name!r} is {self.schema.field(spec.name).type}; "
                                "a model input needs numbers or lists of numbers (or pass --preprocess MOD:FN)")
+
+    def _check_gathered(self, spec: TensorSpec) -> None:
+        """--columns x=a,b,c: x takes rows of len(cols) numbers of its own dtype (never cast)."""
+        cols = self.gather[spec.name]
+        what = f"--columns {spec.name}={','.join(cols)}"
+        if len(spec.shape) != 2:
+            raise JobError(f"{what}: the model's input {spec.name!r} has shape {_dims(spec.shape)}; gathered "
+                           "columns make rows of shape [N, columns]")
+        if spec.shape[1] is not None and spec.shape[1] != len(cols):
+            raise JobError(f"{what}: {len(cols)} columns, but the model's input {spec.name!r} takes "
+                           f"{spec.shape[1]} numbers a row ({_dims(spec.shape)})")
+        want = np.dtype(spec.dtype)
+        for c in cols:
+            got = np.dtype(self.schema.field(c).type.to_pandas_dtype())
+            if got != want:
+                raise JobError(f"{what}: column {c!r} holds {self.schema.field(c).type} ({got}), the model's input "
+                               f"{spec.name!r} takes {want}; nothing is cast: store the column as {want}")
 
     @property
     def blockable(self) -> bool:
@@ -72,7 +120,7 @@ class TableSource(Source):
     def spans(self) -> Iterator[Span]:
         """The whole table front to back as Spans: record batches gathered up to ~SPAN_BYTES,
         each input column turned into one array; unreadable rows are spans of their own."""
-        columns = list(dict.fromkeys([*(s.name for s in self.inputs), *self.keep]))
+        columns = self._read_columns()
         start, gathered, nbytes = 0, [], 0
         for batch in self._batches(columns, 16 * READ_ROWS):
             gathered.append(batch)
@@ -94,7 +142,7 @@ class TableSource(Source):
         bad: dict[int, ValueError] = {}
         arrays: dict[str, Array] = {}
         for spec in self.inputs:
-            got = column_rows(self.pa, table.column(spec.name).combine_chunks(), spec.name, bad)
+            got = self._input_rows(table, spec.name, bad)
             if got is None:  # ragged lists: row by row, same-shaped neighbours together
                 yield from self._row_spans(start, table, keep)
                 return
@@ -110,7 +158,7 @@ class TableSource(Source):
 
     def _row_spans(self, start: int, table: Any, keep: dict[str, list[Any]]) -> Iterator[Span]:
         """Each row read on its own; consecutive rows of the same shapes form one span."""
-        cols = {s.name: table.column(s.name) for s in self.inputs}
+        cols = {s.name: s.name for s in self.inputs}
         run: list[dict[str, Array]] = []
 
         def flush(j: int) -> Iterator[Span]:
@@ -122,7 +170,7 @@ class TableSource(Source):
 
         for j in range(table.num_rows):
             try:
-                row = {k: cell_array(self.pa, c, j, k) for k, c in cols.items()}
+                row = {k: self._input_cell(table, k, j) for k in cols}
             except ValueError as exc:
                 yield from flush(j)
                 yield Span(start + j, start + j + 1, error=exc, keep={k: v[j : j + 1] for k, v in keep.items()})
@@ -133,10 +181,7 @@ class TableSource(Source):
         yield from flush(table.num_rows)
 
     def blocks(self, size: int) -> Iterator[Block]:
-        if self.hook:
-            columns = None
-        else:
-            columns = list(dict.fromkeys([*(s.name for s in self.inputs), *self.keep]))
+        columns = None if self.hook else self._read_columns()
         start = 0
         for batch in self._batches(columns, size):
             for off in range(0, batch.num_rows, size):
@@ -153,7 +198,7 @@ class TableSource(Source):
             return Block(start, n, items=batch.to_pylist(), keep=keep)
         rows: dict[str, Array] = {}
         for spec in self.inputs:
-            arr = column_array(self.pa, batch.column(spec.name))
+            arr = self._input_block(batch, spec.name)
             if arr is None:  # ragged lists or nulls: each row on its own
                 return Block(start, n, items=self._per_row(batch), load=_raise_errors, keep=keep)
             rows[spec.name] = arr
@@ -161,13 +206,34 @@ class TableSource(Source):
 
     def _per_row(self, batch: Any) -> list[Any]:
         out: list[Any] = []
-        cols = {s.name: batch.column(s.name) for s in self.inputs}
         for j in range(batch.num_rows):
             try:
-                out.append({k: cell_array(self.pa, c, j, k)[None] for k, c in cols.items()})
+                out.append({s.name: self._input_cell(batch, s.name, j)[None] for s in self.inputs})
             except ValueError as exc:
                 out.append(exc)
         return out
+
+    # one model input from a table (or batch): its own column, or its gathered ones side by side
+
+    def _input_rows(self, table: Any, name: str, bad: dict[int, ValueError]) -> Array | None:
+        cols = self.gather.get(name)
+        if cols is None:
+            return column_rows(self.pa, table.column(name).combine_chunks(), name, bad)
+        parts = [column_rows(self.pa, table.column(c).combine_chunks(), c, bad) for c in cols]
+        return np.stack([p for p in parts if p is not None], axis=1)  # scalar columns: never None
+
+    def _input_block(self, batch: Any, name: str) -> Array | None:
+        cols = self.gather.get(name)
+        if cols is None:
+            return column_array(self.pa, batch.column(name))
+        parts = [a for c in cols if (a := column_array(self.pa, batch.column(c))) is not None]
+        return np.stack(parts, axis=1) if len(parts) == len(cols) else None  # a null: each row on its own
+
+    def _input_cell(self, table: Any, name: str, j: int) -> Array:
+        cols = self.gather.get(name)
+        if cols is None:
+            return cell_array(self.pa, table.column(name), j, name)
+        return np.stack([cell_array(self.pa, table.column(c), j, c) for c in cols])
 
 
 def _raise_errors(value: Any) -> Any:
@@ -234,13 +300,25 @@ class CsvSource(TableSource):
     BLOCK = 8 << 20
 
     def __init__(self, path: Path, hook: bool) -> None:
+        self.column_types: dict[str, Any] = {}  # columns parsed as a given type (--columns)
         super().__init__(path, hook)
         self.count = sum(b.num_rows for b in self._reader([self.schema.names[0]]))
+
+    def bind(self, inputs: Sequence[TensorSpec]) -> None:
+        """A CSV's text has no binary type: gathered columns are parsed as their input's dtype
+        (a cell that does not parse as one stops the job, naming it), not inferred and cast."""
+        for spec in inputs:
+            for c in self.gather.get(spec.name, ()):
+                self.column_types[c] = self.pa.from_numpy_dtype(np.dtype(spec.dtype))
+        if self.column_types:
+            self.schema = self._reader(list(self.schema.names)).schema
+        super().bind(inputs)
 
     def _reader(self, columns: list[str] | None) -> Any:
         from pyarrow import csv
 
-        convert = csv.ConvertOptions(include_columns=columns) if columns is not None else None
+        convert = (csv.ConvertOptions(include_columns=columns, column_types=self.column_types)
+                   if columns is not None else None)
         return csv.open_csv(self.path, read_options=csv.ReadOptions(block_size=self.BLOCK),
                             convert_options=convert)
 
@@ -255,6 +333,14 @@ class CsvSource(TableSource):
 
 
 # -- arrow columns -> numpy ------------------------------------------------------------------------
+
+
+def _scalar_number(pa: Any, t: Any) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t))
+
+
+def _dims(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def _leaf_type(pa: Any, t: Any) -> Any:
