@@ -150,3 +150,11 @@ def zeros_batch(items: list[Any]) -> np.ndarray:
 
 
 zeros_batch.batched = True  # type: ignore[attr-defined]
+
+
+def sized(item: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A JSON item -> x of shape (1, h, w), filled with i + a ramp (outputs of varying shape)."""
+    if item.get("bad"):
+        raise ValueError(f"item {item['i']} is marked bad")
+    h, w = int(item["h"]), int(item["w"])
+    return {"x": (np.arange(h * w, dtype=np.float32).reshape(1, h, w) + item["i"])}

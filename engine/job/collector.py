@@ -17,6 +17,7 @@ from slabpool.engine.core.task import Result
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.parquet import Schema
 from slabpool.engine.job.signals import hold
+from slabpool.engine.job.sources import JobError
 from slabpool.engine.job.store import Failure, Store
 from slabpool.engine.job.store.files import Array
 from slabpool.engine.job.store.rows import RowError, check_rows, schema_of, to_rows
@@ -57,6 +58,11 @@ class Collector:
         self.item_cols: dict[str, list[Any]] = {}
         self.item_keep: dict[str, list[Any]] = {k: [] for k in self.keep_names}
         self.item_bytes = 0  # bytes of one item's rows (from the schema)
+        # model outputs whose shape may vary from item to item (dynamic axes past the batch
+        # axis): a Parquet OUTPUT keeps each row's shape (`var`); for others a change of
+        # shape stops the job (engine.job.run sets both once the model is known)
+        self.var: frozenset[str] = frozenset()
+        self.dynamic: frozenset[str] = frozenset()
         self._expect: tuple[Schema, list[tuple[str, np.dtype[Any], tuple[int, ...]]]] | None = None
 
     def add(self, index: int, outcome: Result | BaseException, kept: dict[str, Any] | None = None) -> None:
@@ -118,8 +124,8 @@ class Collector:
                 rows = to_rows(outputs, strip_batch=self.strip_batch, parquet=self.store.parquet,
                                reserved=self.keep_names)  # numeric unless Parquet: checked there
                 if self.schema is None:
-                    self.schema = schema_of(rows)
-                check_rows(rows, self.schema)
+                    self.schema = schema_of(rows, self.var)
+                self._check_shapes(rows)
             except RowError as exc:
                 return self._fail(index, exc, attempts, self._kept_one(kept))
         if not self.item_indices:
@@ -145,7 +151,7 @@ class Collector:
         if self._expect is None or self._expect[0] is not schema:
             lead = (1,) if self.strip_batch else ()
             self._expect = (schema, [(k, np.dtype(d), (*lead, *sh)) for k, (d, sh) in schema.items()
-                                     if d != job_parquet.PY])
+                                     if d != job_parquet.PY and not d.startswith(job_parquet.VAR)])
         expect = self._expect[1]
         return expect if len(expect) == len(schema) else None
 
@@ -174,7 +180,7 @@ class Collector:
         if not self.item_indices:
             return
         schema = self.schema or {}
-        cols = {k: v if schema.get(k, ("py",))[0] == job_parquet.PY else np.stack(v)
+        cols = {k: v if _kept_as_list(schema.get(k, (job_parquet.PY, ()))[0]) else np.stack(v)
                 for k, v in self.item_cols.items()}
         self.parts.append((np.asarray(self.item_indices, dtype=np.int64), cols, self.item_keep))
         self.item_indices, self.item_cols = [], {}
@@ -207,8 +213,24 @@ class Collector:
             if a.dtype.hasobject or a.dtype.kind in "USV":
                 raise RowError(f"output {name!r} is not a numeric array (dtype {a.dtype})")
         if self.schema is None:
-            self.schema = schema_of(rows)
-        check_rows(rows, self.schema)
+            self.schema = schema_of(rows, self.var)
+        self._check_shapes(rows)
+
+    def _check_shapes(self, rows: dict[str, Any]) -> None:
+        """check_rows; a model output declared with dynamic axes whose shape changed stops the
+        job (every later item would be computed and thrown away) when OUTPUT cannot keep it."""
+        assert self.schema is not None
+        try:
+            check_rows(rows, self.schema)
+        except RowError:
+            for name in self.dynamic - self.var:
+                a, want = rows.get(name), self.schema.get(name)
+                if isinstance(a, np.ndarray) and want is not None and a.shape != want[1]:
+                    raise JobError(
+                        f"model output {name!r} has shape {a.shape} for this item, {want[1]} for the first: the "
+                        "model declares dynamic axes on it, and a .npy/.npz/folder OUTPUT holds rows of one "
+                        "shape; use -o OUT.parquet (each row with its shape: docs/cli.md)") from None
+            raise
 
     def _keep(self, indices: Array, cols: dict[str, Any], keep: dict[str, list[Any]]) -> None:
         self._flush_items()  # parts stay in the order they settled
@@ -259,8 +281,15 @@ class Collector:
             self.store.commit(indices, cols, self.failures, kept=kept, schema=self.schema)
 
 
+def _kept_as_list(dtype: str) -> bool:
+    """Rows of this output are gathered as a list, not stacked: Python values, or arrays whose
+    shape changes from item to item (Parquet)."""
+    return dtype == job_parquet.PY or dtype.startswith(job_parquet.VAR)
+
+
 def _join(pieces: list[Any]) -> Any:
-    """One column from the pieces of a shard: arrays concatenated; lists (Parquet) joined."""
-    if all(isinstance(p, np.ndarray) for p in pieces):
+    """One column from the pieces of a shard: arrays concatenated (when their rows agree in
+    shape); else lists (Parquet) of rows joined."""
+    if all(isinstance(p, np.ndarray) for p in pieces) and len({p.shape[1:] for p in pieces}) == 1:
         return np.concatenate(pieces)
     return [row for p in pieces for row in p]

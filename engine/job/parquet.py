@@ -9,7 +9,8 @@
 Each shard is a complete Parquet file written atomically before its journal line (engine.job.store),
 so the job stays durable and resumable. A cell is stored as it came: a numeric array of the
 job's shape (`Schema`, set by the first done item) becomes a fixed-size list (nested for
-tensors), a 0-d one a number; Python values a postprocess returns (str, int, float, lists,
+tensors), a 0-d one a number; a model output whose shape varies (dynamic axes past the batch
+axis) a list of its values plus NAME.shape, each row's shape; Python values a postprocess returns (str, int, float, lists,
 dicts) go to pyarrow as they are. Failed rows have null outputs and the error's class and
 message in `error`.
 """
@@ -35,6 +36,8 @@ ERROR_KEY = "error"
 SCHEMA_KEY = b"slabpool.schema"
 ROW_GROUP = 65_536
 PY = "py"
+VAR = "var:"  # a schema dtype "var:<f4": an output whose shape may differ from item to item
+SHAPE_SUFFIX = ".shape"  # beside a variable-shape output NAME: NAME.shape, each row's shape
 
 
 def arrow_type(pa: Any, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -61,6 +64,21 @@ def numeric_column(pa: Any, done: Array | list[Array], failed: int, dtype: str, 
     return pa.Array.from_buffers(arrow_type(pa, dtype, shape), n, [validity], children=[child])
 
 
+def variable_columns(pa: Any, done: list[Array], failed: int, dtype: str) -> tuple[Any, Any]:
+    """Rows of an output whose shape varies (the done rows, then `failed` nulls): its values,
+    row-major, as a list<dtype> column, and each row's shape as a list<int64> column; row i is
+    `np.reshape(values[i], shape[i])` (docs/cli.md)."""
+    dt = np.dtype(dtype.removeprefix(VAR))
+    rows = [np.ascontiguousarray(a, dtype=dt) for a in done]
+    sizes = np.asarray([a.size for a in rows] + [0] * failed, dtype=np.int32)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+    flat = np.concatenate([a.reshape(-1) for a in rows]) if rows else np.zeros(0, dt)
+    mask = pa.array(np.arange(len(sizes)) >= len(rows))
+    values = pa.ListArray.from_arrays(offsets, pa.array(flat), mask=mask)
+    dims = pa.array([list(a.shape) for a in rows] + [None] * failed, type=pa.list_(pa.int64()))
+    return values, dims
+
+
 def python_column(pa: Any, name: str, values: list[Any]) -> Any:
     try:
         return pa.array([_plain(v) for v in values])
@@ -84,6 +102,8 @@ def write_shard(f: IO[bytes], indices: Array, columns: dict[str, Any], failed: l
     for name, (dtype, shape) in schema.items():
         if dtype == PY:
             cols[name] = python_column(pa, name, [*columns.get(name, []), *([None] * len(failed))])
+        elif dtype.startswith(VAR):
+            cols[name], cols[name + SHAPE_SUFFIX] = variable_columns(pa, list(columns.get(name, [])), len(failed), dtype)
         else:
             cols[name] = numeric_column(pa, columns.get(name, []), len(failed), dtype, shape)
     for name, values in keep.items():

@@ -183,6 +183,7 @@ class JobRun:
             if self.spec.model is not None:
                 source.bind(self.describe.inputs)
                 self._check_outputs()
+                self._dynamic_outputs()
             reader = source.row_reader(todo) if self._by_blocks(source) else None
             if self.spec.model is not None:
                 self._check_first(source, todo, reader)
@@ -226,6 +227,17 @@ class JobRun:
             if np.dtype(s.dtype).kind in "OUS":
                 raise JobError(f"model output {s.name!r} holds {np.dtype(s.dtype)} values; .npy/.npz/folder "
                                "OUTPUTs keep numbers only: use -o OUT.parquet")
+
+    def _dynamic_outputs(self) -> None:
+        """Model outputs stored as they come (no postprocess) whose shape may vary (a dynamic
+        axis past the batch axis): Parquet keeps each row's shape; others stop at a change."""
+        if self.spec.postprocess is not None:
+            return
+        dynamic = frozenset(o.name for o in self.describe.outputs if any(d is None for d in o.shape[1:]))
+        self.collector.dynamic = dynamic
+        schema = self.collector.schema  # a resumed job keeps the layout it began with
+        if self.spec.parquet and (schema is None or any(d.startswith(job_parquet.VAR) for d, _ in schema.values())):
+            self.collector.var = dynamic
 
     def _check_first(self, source: Source, todo: list[tuple[int, int]], reader: RowReader | None) -> None:
         """Without a preprocess every item has the first one's dtype: one error up front (not

@@ -59,14 +59,17 @@ def to_rows(outputs: Any, *, strip_batch: bool, parquet: bool = False,
     return rows
 
 
-def schema_of(rows: dict[str, Any]) -> Schema:
-    """(dtype, shape) of each numeric row; ("py", ()) for a value stored as it is (Parquet)."""
-    return {k: (a.dtype.str, tuple(a.shape)) if isinstance(a, np.ndarray) else (job_parquet.PY, ())
+def schema_of(rows: dict[str, Any], var: frozenset[str] = frozenset()) -> Schema:
+    """(dtype, shape) of each numeric row; ("py", ()) for a value stored as it is (Parquet);
+    for an output of `var` (its shape may change from item to item: Parquet) ("var:" dtype,
+    (ndim,)), the shape kept per row."""
+    return {k: (a.dtype.str, tuple(a.shape)) if isinstance(a, np.ndarray) and k not in var else
+            (job_parquet.VAR + a.dtype.str, (a.ndim,)) if isinstance(a, np.ndarray) else (job_parquet.PY, ())
             for k, a in rows.items()}
 
 
 def check_rows(rows: dict[str, Any], schema: Schema) -> None:
-    got = schema_of(rows)
+    got = schema_of(rows, frozenset(k for k, (d, _) in schema.items() if d.startswith(job_parquet.VAR)))
     if got != schema:
         raise RowError(f"the result does not match the first item's outputs: {got} vs {schema}")
 
