@@ -175,3 +175,17 @@ def test_a_second_sigint_exits_at_once(stage: str, tmp_path: Path, models: Simpl
     assert p.returncode == 0, p.stderr
     with np.load(out) as z:
         assert len(z["probs"]) == 400 and not np.isnan(z["probs"]).any()
+
+
+def test_ctrl_c_stops_a_companion_command_at_once(tmp_path: Path, models: SimpleNamespace) -> None:
+    """Only `run` drains on a first signal; `bench` (no job to keep) stops on the first one."""
+    cli = subprocess.Popen([*CLI, "bench", str(models.slow), "--items", "100000", "--workers", "1"], cwd=REPO,
+                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cli.stdout is not None
+        assert "workers" in cli.stdout.readline()  # the header: the command runs its loop now
+        cli.send_signal(signal.SIGINT)
+        _, err = cli.communicate(timeout=DEADLINE)
+    finally:
+        cli.kill()
+    assert cli.returncode == 130 and "interrupted" in err and "Traceback" not in err, err

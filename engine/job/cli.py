@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -212,6 +213,9 @@ def _command(parser: Parser, argv: list[str], intr: signals.Interrupts) -> int:
     from slabpool.workers.errors import EngineError
 
     intr.check()
+    if args.command != "run":  # no job to stop cleanly: Ctrl-C is KeyboardInterrupt, SIGTERM ends it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         return int(args.func(args, argv))
     except KeyboardInterrupt:  # outside the job's own handlers: no traceback
