@@ -2,6 +2,7 @@
 durably and resumably. The flow, step by step, is drawn in `run`.
 
     cli         the `slabpool` command line (run, inspect, doctor, bench)
+    options     the argument types of `run` (what each option accepts, and how it says no)
     spec        JobSpec (what a run was asked), its checks, --max-failures, the job's fingerprint
     run         run_job: steps 1-5, the run and its engine
     dispatch    steps 2-4 by blocks of rows (one task per block) or by items (Engine.map)

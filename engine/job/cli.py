@@ -31,6 +31,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # are imported (main), so that a Ctrl-C during those imports is the job's, not a traceback.
 import slabpool
 from slabpool.engine.job import signals
+from slabpool.engine.job.options import batch_size as _batch_size
+from slabpool.engine.job.options import columns as _columns
+from slabpool.engine.job.options import columns_of
+from slabpool.engine.job.options import gather as _gather
+from slabpool.engine.job.options import positive_float as _positive_float
+from slabpool.engine.job.options import positive_int as _positive_int
 
 if TYPE_CHECKING:
     from slabpool.engine.job.spec import JobSpec
@@ -60,55 +66,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(1)
-
-
-def _positive_int(text: str) -> int:
-    """argparse names the option in its message (`argument --workers: ...`); a type function
-    says what is accepted, never raising a bare ValueError (argparse would name the function)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _batch_size(text: str) -> int | None:
-    """--batch-size B, or `auto` (as infer() takes it): the job's default, None."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return _positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-
-
-def _columns(text: str) -> tuple[str, ...]:
-    names = tuple(c.strip() for c in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"expected COL[,COL...], got {text!r}")
-    return names
-
-
-def _gather(text: str) -> tuple[str, tuple[str, ...]]:
-    """--columns INPUT=COL,COL,...: the model input, and the table's columns that form it."""
-    name, eq, cols = text.partition("=")
-    names = tuple(c.strip() for c in cols.split(","))
-    if not eq or not name.strip() or not all(names):
-        raise argparse.ArgumentTypeError(f"expected INPUT=COL[,COL...] (a model input, then table columns), "
-                                         f"got {text!r}")
-    return name.strip(), names
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def build_parser() -> Parser:
@@ -259,19 +216,9 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
         overwrite=args.overwrite, start_method=args.start_method, max_attempts=args.max_attempts,
         task_timeout=args.task_timeout, durable_every=args.durable_every, log_every=args.log_every,
         command=resume_command(argv), keep=args.keep, batched=args.batched, max_failures=args.max_failures,
-        text=args.text, columns=_columns_of(args.columns),
+        text=args.text, columns=columns_of(args.columns),
     )
     return _report_run(spec)
-
-
-def _columns_of(given: list[tuple[str, tuple[str, ...]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    from slabpool.engine.job.sources import JobError
-
-    names = [n for n, _ in given]
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise JobError(f"--columns names the input {twice!r} twice: give each input once")
-    return tuple(given)
 
 
 def resume_command(argv: list[str]) -> str:
