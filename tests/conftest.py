@@ -57,6 +57,15 @@ def nothing_left_behind():
     assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engines (and CLI runs) of the suite keep their weight cache in a folder of this session,
+    not in the user's cache dir (workers.weights)."""
+    d: Path = tmp_path_factory.mktemp("weight-cache")
+    os.environ["SLABPOOL_CACHE_DIR"] = str(d)
+    return d
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     d: Path = tmp_path_factory.mktemp("models")

@@ -8,6 +8,7 @@ works with numpy < 2 (its import succeeds under numpy 2, then `Interpreter()` fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -21,9 +22,16 @@ from typing import Any
 import numpy as np
 
 from slabpool.workers.protocol import SessionInfo, TensorSpec
-from slabpool.workers.session import AcceleratorUnavailable, SessionSpec, model_digest
+from slabpool.workers.session import AcceleratorUnavailable, SessionSpec
+from slabpool.workers.weights import Pinned, pin
 
 log = logging.getLogger("slabpool.workers")
+
+# XNNPACK packs weights privately in every process. ai-edge-litert 2.3 shares them through a
+# weight cache file only in CompiledModel (CpuOptions.xnnpack_weight_cache_path); its Interpreter,
+# which this adapter uses (runtimes.md 2.6: CompiledModel copies and fails on rank-2 inputs),
+# offers no such option. So the model is pinned (a copy) and its packed weights stay private.
+_NO_WEIGHT_CACHE = "XNNPACK packs weights per process (LiteRT's Interpreter offers no shared weight cache)"
 
 
 def import_interpreter() -> tuple[ModuleType, str, str]:
@@ -77,8 +85,9 @@ class LiteRtSession:
         t0 = time.perf_counter()
         mod, dist, ver = import_interpreter()
         self._mod = mod
+        self.pinned = _pinned(spec)
         delegates, requested, applied, degraded = self._delegates(spec)
-        kwargs: dict[str, Any] = {"model_path": spec.path, "num_threads": spec.threads}
+        kwargs: dict[str, Any] = {"model_path": self.pinned.path, "num_threads": spec.threads}
         if spec.delegate == "none":
             kwargs["experimental_op_resolver_type"] = mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
         if delegates:
@@ -94,10 +103,11 @@ class LiteRtSession:
             requested=tuple(requested),
             applied=tuple(applied),
             degraded=degraded,
-            model_digest=model_digest(spec.path),
+            model_digest=self.pinned.digest,
             load_s=time.perf_counter() - t0,
             inputs=tuple(_spec(d) for d in self._interp.get_input_details()),
             outputs=tuple(_spec(d) for d in self._interp.get_output_details()),
+            weights=self.pinned.note,
         )
 
     def _delegates(self, spec: SessionSpec) -> tuple[list[Any], list[str], list[str], bool]:
@@ -125,7 +135,7 @@ class LiteRtSession:
     def _claims(self, spec: SessionSpec, path: str) -> int:
         """How many partitions the delegate alone takes, on a probe interpreter."""
         probe = self._mod.Interpreter(
-            model_path=spec.path,
+            model_path=self.pinned.path,
             experimental_delegates=[self._mod.load_delegate(path, dict(spec.delegate_options))],
             experimental_op_resolver_type=self._mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
         )
@@ -155,6 +165,16 @@ class LiteRtSession:
 
     def close(self) -> None:
         del self._interp  # before its delegates
+
+
+def _pinned(spec: SessionSpec) -> Pinned:
+    """The pinned copy (workers.weights). The built-in kernels read weights from the mapped
+    file, shared; XNNPACK (the default) and external delegates make their own copy."""
+    if spec.delegate == "none":
+        p = pin(spec, "copy")
+        return dataclasses.replace(p, shared=True, note="built-in kernels read the weights from the mapped file")
+    return pin(spec, "copy", why=_NO_WEIGHT_CACHE if spec.delegate in (None, "xnnpack") else
+               f"the delegate {spec.delegate} holds its own copy")
 
 
 def _spec(detail: dict[str, Any]) -> TensorSpec:

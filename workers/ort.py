@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +12,8 @@ import numpy as np
 import onnxruntime as ort
 
 from slabpool.workers.protocol import SessionInfo, TensorSpec
-from slabpool.workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec, model_digest
+from slabpool.workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec
+from slabpool.workers.weights import Pinned, cpu_features, pin
 
 _CPU = "CPUExecutionProvider"
 _FATAL = 4  # ORT log severity: only fatal errors are logged
@@ -37,7 +39,8 @@ class OrtSession:
         so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         requested = _provider_names(spec.providers)
         providers, degraded = _usable_providers(spec)
-        self._sess = ort.InferenceSession(spec.path, sess_options=so, providers=providers)
+        self.pinned = _pinned(spec, providers)
+        self._sess = ort.InferenceSession(self.pinned.path, sess_options=so, providers=providers)
         applied = tuple(self._sess.get_providers())
         accel = [p for p in requested if p != _CPU]
         if accel and not _runs_nodes_on(self._sess, accel):
@@ -56,10 +59,11 @@ class OrtSession:
             requested=tuple(requested),
             applied=applied,
             degraded=degraded,
-            model_digest=model_digest(spec.path),
+            model_digest=self.pinned.digest,
             load_s=time.perf_counter() - t0,
             inputs=tuple(_spec(a, "input") for a in self._sess.get_inputs()),
             outputs=tuple(_spec(a, "output") for a in self._sess.get_outputs()),
+            weights=self.pinned.note,
         )
 
     def run(self, feeds: dict[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -128,6 +132,33 @@ def _settle(names: list[str], values: list[Any], dests: dict[str, np.ndarray]) -
             raise ValueError(f"output {name!r} came back as {got.dtype}{list(got.shape)}, "
                              f"not into its buffer {dst.dtype}{list(dst.shape)}")
         np.copyto(dst, got)
+
+
+def _pinned(spec: SessionSpec, providers: list[Any]) -> Pinned:
+    """The pinned model (workers.weights): ONNX Runtime's prepacked CPU form where it is exact
+    (the CPU provider alone), else a copy of the model as given."""
+    if not spec.share_weights:
+        return pin(spec, "copy", why="share_weights=False")
+    accel = [p for p in _provider_names(tuple(providers)) if p != _CPU]
+    if accel:
+        return pin(spec, "copy", why=f"{accel[0]} copies the weights to its device")
+    runtime = f"onnxruntime {ort.__version__} cpu {cpu_features()} opt=all"
+    return pin(spec, "prepacked", runtime, _prepack)
+
+
+def _prepack(src: str, dst: str) -> bool:
+    """Save `src` as ONNX Runtime's CPU form: optimized, every initializer of 1 KiB or more in
+    one external data file next to `dst`, prepacked blobs included; True if that file exists."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    so.optimized_model_filepath = dst
+    data = os.path.splitext(os.path.basename(dst))[0] + ".data"
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    ort.InferenceSession(src, sess_options=so, providers=[_CPU])
+    return os.path.exists(os.path.join(os.path.dirname(dst), data))
 
 
 def _spec(arg: Any, kind: str) -> TensorSpec:

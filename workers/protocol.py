@@ -91,6 +91,7 @@ class SessionInfo:
     load_s: float
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    weights: str = ""  # what was loaded and why: shared (prepacked, mapped) or as given (workers.weights)
 
 
 @dataclass(frozen=True)

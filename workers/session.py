@@ -13,6 +13,7 @@ LiteRT. Runtime errors are translated at this boundary (a worker reports them as
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -34,6 +35,11 @@ class SessionSpec:
     delegate_options: dict[str, str] = field(default_factory=dict)
     allow_fallback: bool = False  # may a missing provider/delegate degrade to the CPU path?
     threads: int = 1
+    # the model version the engine pinned (model_digest, taken by the caller): every worker,
+    # and every slot rebuilt after a crash, loads exactly these bytes or refuses to start
+    digest: str = ""
+    cache_dir: str | None = None  # where pinned and converted forms live (workers.weights); None: none
+    share_weights: bool = True  # load the shared (prepacked, memory-mapped) form where it is exact
 
 
 class ModelSession(Protocol):
@@ -70,13 +76,33 @@ def detect_backend(path: str) -> Backend:
     return "onnxruntime"
 
 
+def model_files(path: str) -> list[str]:
+    """The files the model is made of, relative to its folder: the model file first, then the
+    external data files an ONNX model names (`workers.onnxfiles`)."""
+    if detect_backend(path) != "onnxruntime":
+        return [os.path.basename(path)]
+    from slabpool.workers.onnxfiles import BadModelFile, external_files
+
+    try:
+        extra = external_files(path)
+    except BadModelFile:
+        extra = []  # not readable as ONNX: the runtime says why when it loads it
+    return [os.path.basename(path), *extra]
+
+
 def model_digest(path: str) -> str:
-    """The model version: the first 16 hex digits of the file's SHA-256."""
+    """The model version: the first 16 hex digits of the SHA-256 of the model file, followed by
+    each external data file's name and bytes (a model without external data: of the file alone)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    names = model_files(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for i, name in enumerate(names):
+        if i:
+            h.update(b"\0" + name.encode() + b"\0")
+        with open(os.path.join(folder, name), "rb") as f:
+            hashlib.file_digest(f, lambda: h)  # one running hash over every file
     return h.hexdigest()[:16]
+
 
 
 def load_session(spec: SessionSpec) -> ModelSession:

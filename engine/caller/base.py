@@ -34,7 +34,7 @@ from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import FaultSpec, SessionInfo, TensorSpec
-from slabpool.workers.session import SessionSpec, detect_backend
+from slabpool.workers.session import SessionSpec, detect_backend, model_digest
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
@@ -109,6 +109,8 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         shm_backend: Literal["memfd", "posix"] = "memfd",
         startup_timeout: float = 120.0,
         stall_after: float = 10.0,
+        share_weights: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
         _fault_injection: bool = False,  # tests: tasks may carry a FaultSpec
         _init_fault: FaultSpec | None = None,  # tests: a fault in every worker's initializer
     ) -> None:
@@ -398,7 +400,8 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         old = self._owner.model_spec()
         if old is None:
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
-        spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path))
+        spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path),
+                                   digest=model_digest(path))  # the new version, pinned
         plan = self._reload_plan(spec, old, drain_slot, allow_signature_change, apply=_applier(self._weak))
         self._owner.call(self._owner.start_reload, plan).result()  # EngineClosed once it has stopped
         if not plan.done.wait(timeout):
@@ -431,7 +434,7 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         if info is None:
             return ModelDescription((), (), "", "", "", False)
         return ModelDescription(info.inputs, info.outputs, info.runtime, info.runtime_version,
-                                info.model_digest, self._batchable)
+                                info.model_digest, self._batchable, info.weights)
 
     def _counts(self) -> dict[str, int]:
         c = self._queue.counters

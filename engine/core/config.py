@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from slabpool.workers.session import Backend, SessionSpec, detect_backend
+from slabpool.workers.session import Backend, SessionSpec, detect_backend, model_digest
+from slabpool.workers.weights import default_cache_dir
 
 MiB = 1 << 20
 Admission = Literal["block", "reject", "drop_oldest"]
@@ -66,6 +67,11 @@ class EngineConfig:
     # deadlock) gets a warning, no more work, and what was sent ahead to it runs elsewhere
     stall_after: float = 10.0
     fault_injection: bool = False
+    # every worker loads one shared, memory-mapped copy of the weights where that is exact
+    # (ONNX Runtime, CPU provider: its prepacked form), made once into `cache_dir`
+    share_weights: bool = True
+    cache_dir: str | None = None  # None: the user cache dir (workers.weights.default_cache_dir)
+    model_digest: str = ""  # the version pinned at start: every slot loads exactly it
 
     def session_spec(self) -> SessionSpec | None:
         if self.model is None:
@@ -78,6 +84,9 @@ class EngineConfig:
             delegate_options=dict(self.delegate_options),
             allow_fallback=self.allow_fallback,
             threads=self.threads_per_worker,
+            digest=self.model_digest,
+            cache_dir=self.cache_dir or default_cache_dir(),
+            share_weights=self.share_weights,
         )
 
 
@@ -132,7 +141,21 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     kw["shm_capacity"] = cap
     kw["initargs"] = tuple(kw.get("initargs", ()))
     kw["delegate_options"] = dict(kw.get("delegate_options") or {})
+    _check_weights(kw)
+    kw["model_digest"] = model_digest(path) if path is not None else ""
     return EngineConfig(model=path, workers=workers, **kw)
+
+
+def _check_weights(kw: dict[str, Any]) -> None:
+    if "model_digest" in kw:
+        raise TypeError("model_digest is not a setting: the engine takes it from the model file")
+    if not isinstance(kw.get("share_weights", True), bool):
+        raise ValueError(f"share_weights must be True or False, got {kw['share_weights']!r}")
+    cache = kw.get("cache_dir")
+    if cache is not None:
+        if not isinstance(cache, (str, os.PathLike)):
+            raise ValueError(f"cache_dir must be None (the user cache dir) or a folder path, got {cache!r}")
+        kw["cache_dir"] = os.path.abspath(os.fspath(cache))
 
 
 MIN_SHM = 1 * MiB  # an arena smaller than this holds nothing useful (and the status words)

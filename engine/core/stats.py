@@ -15,6 +15,7 @@ class ModelDescription:
     runtime_version: str
     model_version: str
     batchable: bool  # every input has a dynamic axis 0
+    weights: str = ""  # how the weights were loaded (shared, or as given and why)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class SlotStats:
     degraded: bool
     model_version: str
     rss_bytes: int
+    pss_bytes: int = 0  # proportional set size: each shared page divided among its sharers
+    shared_bytes: int = 0  # resident pages another process maps too (rss - uss): shared weights, arenas
+    weights: str = ""  # how the model's weights were loaded: shared (prepacked, mapped) or as given
 
 
 @dataclass(frozen=True)

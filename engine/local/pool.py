@@ -212,18 +212,25 @@ class Engine(BaseEngine):
 
 def _slot_stats(slot: Any) -> SlotStats:
     info = slot.info
-    rss = 0
+    rss = pss = shared = 0
     if slot.pid and slot.process is not None:
-        try:
-            rss = psutil.Process(slot.pid).memory_info().rss
-        except psutil.Error:
-            rss = 0
+        rss, pss, shared = worker_memory(slot.pid)
     return SlotStats(
         slot.index, slot.pid, slot.state.name, slot.tasks_done, slot.restarts,
         info.runtime if info else "", info.runtime_version if info else "",
         info.requested if info else (), info.applied if info else (),
-        info.degraded if info else False, slot.model_version, rss,
+        info.degraded if info else False, slot.model_version, rss, pss, shared,
+        info.weights if info else "",
     )
+
+
+def worker_memory(pid: int) -> tuple[int, int, int]:
+    """(RSS, PSS, shared bytes) of a process (/proc/PID/smaps_rollup); zeros once it is gone."""
+    try:
+        m = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return 0, 0, 0
+    return m.rss, m.pss, max(m.rss - m.uss, 0)
 
 
 def _plain(skeleton: Any) -> bool:
