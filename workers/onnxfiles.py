@@ -36,7 +36,11 @@ _EXTERNAL_DATA = 13  # TensorProto.external_data: repeated StringStringEntryProt
 
 
 class BadModelFile(ValueError):
-    """The file is not an ONNX model this walk can read, or names data outside its folder."""
+    """The file is not an ONNX model this walk can read (the runtime will say why)."""
+
+
+class DataOutsideFolder(ValueError):
+    """The model names an external data file outside its own folder: refused."""
 
 
 def external_files(path: str) -> list[str]:
@@ -53,7 +57,8 @@ def external_files(path: str) -> list[str]:
     for loc in found:
         norm = os.path.normpath(loc)
         if os.path.isabs(loc) or norm.startswith(".."):
-            raise BadModelFile(f"{path} names external data {loc!r} outside its folder")
+            raise DataOutsideFolder(f"{path} names external data {loc!r} outside its folder: keep a "
+                                    "model's data files in its folder (or below it)")
     return sorted(os.path.normpath(loc) for loc in found)
 
 

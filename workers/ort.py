@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -143,7 +145,21 @@ def _pinned(spec: SessionSpec, providers: list[Any]) -> Pinned:
     if accel:
         return pin(spec, "copy", why=f"{accel[0]} copies the weights to its device")
     runtime = f"onnxruntime {ort.__version__} cpu {cpu_features()} opt=all"
-    return pin(spec, "prepacked", runtime, _prepack)
+    return pin(spec, "prepacked", runtime, _prepack_apart)
+
+
+_CHILD = "import sys; from slabpool.workers.ort import _prepack; sys.exit(0 if _prepack(*sys.argv[1:]) else 3)"
+
+
+def _prepack_apart(src: str, dst: str) -> bool:
+    """_prepack in a process of its own: the memory of the session that writes the form (the
+    weights loaded, then packed) is not kept by the worker's heap after it is freed (glibc
+    keeps it: the converting worker held one more copy of the weights than the others)."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, src, dst], capture_output=True, text=True, check=False)
+    if done.returncode not in (0, 3):
+        raise RuntimeError(f"writing the prepacked form of {src} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return done.returncode == 0
 
 
 def _prepack(src: str, dst: str) -> bool:
