@@ -10,7 +10,8 @@
 
 Used by `Engine.infer(feeds, batch_size=...)` and by the batch job (`slabpool run` on
 .npy/.npz and tables). The step (rows a session call) is the caller's batch size, or "auto":
-a first call of PROBE_ROWS, then calls of about STEP_TARGET_S. A task holds as many steps as
+a first call of PROBE_ROWS (a few rows: the runtime's memory follows the largest call), then
+calls of about STEP_TARGET_S. A task holds as many steps as
 run in about BLOCK_TARGET_S (the measured run time per row), bounded so that the tasks in
 flight take at most half of each arena: the engine's cost per task is paid once for many
 calls, and each call stays small enough for the caches (`BlockSizer`).
@@ -39,7 +40,12 @@ from slabpool.workers import errors as E
 Array = npt.NDArray[Any]
 BLOCK_TARGET_S = 0.03  # run time per task (a block of several session calls) aimed at
 STEP_TARGET_S = 0.002  # run time per session call aimed at when the size is "auto"
-PROBE_ROWS = 256  # the first call when the size is "auto" (the run time per row is not known)
+# the first call when the size is "auto" (the run time per row is not known): small, because
+# ONNX Runtime's CPU arena keeps what its largest call needed for good. 256 rows grew each demo
+# worker (a CNN, 2 ms a row) from ~110 to ~970 MiB and ran alone for half a second; 8 rows
+# cost what the smallest size a user would try costs, and time a row well enough to size the
+# calls (the time per row it measures is at most too high: calls come out smaller, never larger)
+PROBE_ROWS = 8
 MAX_BLOCK_ROWS = 1 << 20
 
 # a block failing with one of these is cut in two: the failure may belong to some rows only
