@@ -81,7 +81,7 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        workers: int | None = None,
+        workers: int | Literal["auto"] | None = None,
         start_method: Literal["forkserver", "spawn"] = "forkserver",
         backend: Literal["auto", "onnxruntime", "litert"] = "auto",
         providers: Sequence[Any] | None = None,

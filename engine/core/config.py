@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -72,6 +73,7 @@ class EngineConfig:
     share_weights: bool = True
     cache_dir: str | None = None  # None: the user cache dir (workers.weights.default_cache_dir)
     model_digest: str = ""  # the version pinned at start: every slot loads exactly it
+    pool_shape: str = ""  # workers="auto": the shape chosen and why (engine.core.shape)
 
     def session_spec(self) -> SessionSpec | None:
         if self.model is None:
@@ -92,6 +94,8 @@ class EngineConfig:
 
 def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     """Validate and fill defaults; raise ValueError/TypeError naming the setting."""
+    if kw.get("workers") == "auto":
+        return _auto_shape(model, kw)
     path = os.fspath(model) if model is not None else None
     if path is not None and not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
@@ -146,9 +150,22 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     return EngineConfig(model=path, workers=workers, **kw)
 
 
+def _auto_shape(model: str | os.PathLike[str] | None, kw: dict[str, Any]) -> EngineConfig:
+    """workers="auto": settings checked (and the model pinned) first, then a probe of the model
+    on this host chooses workers x threads (engine.core.shape); `pool_shape` says why."""
+    from slabpool.engine.core.shape import choose
+
+    given = kw.get("threads_per_worker")
+    first = resolve(model, **{**kw, "workers": 1})
+    shape = choose(first.session_spec(), usable_cpus(), given if given not in (None, 1) else None)
+    cfg = resolve(model, **{**kw, "workers": shape.workers, "threads_per_worker": shape.threads})
+    return dataclasses.replace(cfg, pool_shape=shape.why)
+
+
 def _check_weights(kw: dict[str, Any]) -> None:
-    if "model_digest" in kw:
-        raise TypeError("model_digest is not a setting: the engine takes it from the model file")
+    for name in ("model_digest", "pool_shape"):
+        if name in kw:
+            raise TypeError(f"{name} is not a setting: the engine finds it out")
     if not isinstance(kw.get("share_weights", True), bool):
         raise ValueError(f"share_weights must be True or False, got {kw['share_weights']!r}")
     cache = kw.get("cache_dir")

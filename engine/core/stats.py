@@ -63,3 +63,4 @@ class EngineStats:
     items_completed: int = 0  # ... that ended with a result
     items_failed: int = 0  # ... that ended with an error (a failed row of a block, say)
     items_cancelled: int = 0  # ... cancelled, or never run (map() abandoned, close)
+    pool_shape: str = ""  # workers="auto": the workers x threads chosen, and why

@@ -196,7 +196,7 @@ class Engine(BaseEngine):
             self._state.name, slots, len(self._queue), **self._counts(),
             restarts=sum(s.restarts for s in slots),
             shm_inputs_used=self._inputs.used, shm_outputs_used=self._outputs.used,
-            shm_capacity=self._inputs.capacity,
+            shm_capacity=self._inputs.capacity, pool_shape=self.config.pool_shape,
         )
 
     def _info(self) -> SessionInfo | None:
