@@ -104,7 +104,6 @@ def model_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-
 def load_session(spec: SessionSpec) -> ModelSession:
     if spec.backend == "onnxruntime":
         from slabpool.workers.ort import OrtSession

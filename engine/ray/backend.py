@@ -166,7 +166,8 @@ class RayEngine(BaseEngine):
         slots = tuple(_slot_stats(s) for s in self._ledger.slots)
         return EngineStats(self._state.name, slots, len(self._queue), **self._counts(),
                            restarts=sum(s.restarts for s in slots),
-                           shm_inputs_used=0, shm_outputs_used=0, shm_capacity=0)
+                           shm_inputs_used=0, shm_outputs_used=0, shm_capacity=0,
+                           pool_shape=self.config.pool_shape)
 
     def _info(self) -> SessionInfo | None:
         return self._ledger.info
