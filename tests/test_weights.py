@@ -310,3 +310,17 @@ def test_a_model_naming_data_outside_its_folder_is_refused(models, tmp_path):
         external_files(str(tmp_path / "bad.onnx"))
     with pytest.raises(DataOutsideFolder):
         Engine(tmp_path / "bad.onnx", workers=1)
+
+
+def test_doctor_shows_each_workers_memory(models, tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SLABPOOL_CACHE_DIR": str(tmp_path / "c")}
+    p = subprocess.run([sys.executable, "-m", "slabpool", "doctor", str(models.slow), "--workers", "2"],
+                       capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    assert f"weight cache    {tmp_path / 'c'}" in p.stdout
+    assert "weights: prepacked weights in a memory-mapped file every worker shares" in p.stdout
+    for slot in (0, 1):
+        assert f"worker #{slot}" in p.stdout and "PSS" in p.stdout and "shared" in p.stdout, p.stdout

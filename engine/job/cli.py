@@ -127,7 +127,10 @@ def build_parser() -> Parser:
     ins.set_defaults(func=cmd_inspect)
 
     doc = sub.add_parser("doctor", help="what this host offers: shared memory, CPUs, runtimes",
-                         formatter_class=fmt, epilog="example:\n  slabpool doctor")
+                         formatter_class=fmt, epilog="example:\n  slabpool doctor\n  slabpool doctor model.onnx --workers 4")
+    doc.add_argument("model", type=Path, metavar="MODEL", nargs="?",
+                     help="also start WORKERS workers on MODEL and show each one's RSS, PSS and shared bytes")
+    doc.add_argument("--workers", type=int, default=2, help="workers started on MODEL (default 2)")
     doc.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     doc.set_defaults(func=cmd_doctor)
 
@@ -392,7 +395,41 @@ def cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
         print("note            tflite-runtime needs numpy<2; with numpy 2 use ai-edge-litert (pip install ai-edge-litert)")
     else:
         print("note            ai-edge-litert works with numpy 1 and 2; tflite-runtime needs numpy<2")
+    print(_weight_cache_line())
+    if args.model is not None:
+        _doctor_model(args.model, args.workers)
     return 0
+
+
+def _weight_cache_line() -> str:
+    from slabpool.workers.weights import default_cache_dir
+
+    root = Path(default_cache_dir())
+    entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")] if root.is_dir() else []
+    size = sum(f.stat().st_size for e in entries for f in e.rglob("*") if f.is_file())
+    return (f"weight cache    {root}: {len(entries)} entries, {_mib(size)} (set SLABPOOL_CACHE_DIR or "
+            "cache_dir= to move it)")
+
+
+def _doctor_model(model: Path, workers: int) -> None:
+    """Start `workers` workers on `model`, run each once, print each one's memory."""
+    from slabpool.engine.local.pool import Engine
+
+    if not model.is_file():
+        raise JobError(f"model not found: {model}")
+    with Engine(str(model), workers=workers) as eng:
+        item = random_item(eng.describe().inputs, np.random.default_rng(0))
+        for _ in range(100):  # until every worker has run (its weights are then resident)
+            for _ in eng.map([item] * (2 * workers)):
+                pass
+            if all(s.tasks_done for s in eng.stats().slots):
+                break
+        st = eng.stats()
+        print(f"model           {model}: version {eng.model_version}; weights: {eng.describe().weights}")
+        for s in st.slots:
+            print(f"  worker #{s.slot}     pid {s.pid}: RSS {_mib(s.rss_bytes)}, PSS {_mib(s.pss_bytes)}, "
+                  f"shared {_mib(s.shared_bytes)}")
+        print(f"  all workers   PSS {_mib(sum(s.pss_bytes for s in st.slots))} in total")
 
 
 # -- bench -----------------------------------------------------------------------------------------

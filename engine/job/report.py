@@ -33,12 +33,18 @@ class SlotReport:
     applied: tuple[str, ...]  # provider/delegate really in use
     requested: tuple[str, ...]  # provider/delegate asked for
     degraded: bool
+    peak_rss_bytes: int = 0  # the worker's memory, sampled every 0.5 s: the peaks of RSS,
+    peak_pss_bytes: int = 0  # of PSS (shared pages divided among their sharers),
+    peak_shared_bytes: int = 0  # and of the pages it shares (mapped weights, arenas)
+    weights: str = ""  # how the weights were loaded: shared, or as given and why
 
     @classmethod
-    def of(cls, s: SlotStats) -> SlotReport:
+    def of(cls, s: SlotStats, peak: tuple[int, int, int] | None = None) -> SlotReport:
+        rss, pss, shared = peak or (s.rss_bytes, s.pss_bytes, s.shared_bytes)
         return cls(slot=s.slot, pid=s.pid, tasks_done=s.tasks_done, restarts=s.restarts,
                    runtime=f"{s.runtime} {s.runtime_version}".strip(), applied=tuple(s.applied),
-                   requested=tuple(s.requested), degraded=s.degraded)
+                   requested=tuple(s.requested), degraded=s.degraded, peak_rss_bytes=rss,
+                   peak_pss_bytes=pss, peak_shared_bytes=shared, weights=s.weights)
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ def summary(outcome: JobOutcome) -> list[str]:
                                   for s in r.slots) or "-"),
         f"peak RSS: supervisor {rss.supervisor / 2**20:.0f} MiB, workers "
         f"{rss.workers_total / 2**20:.0f} MiB in total",
+        *_memory_lines(r.slots),
     ]
     if r.failed:
         lines.append(f"failed items are listed in {Path(r.parts) / 'failures.jsonl'}")
@@ -139,3 +146,13 @@ def summary(outcome: JobOutcome) -> list[str]:
         lines.append(f"output: {r.output}" + (f" (its journal and report in {r.parts})"
                                                if r.output != r.parts else ""))
     return lines
+
+
+def _memory_lines(slots: tuple[SlotReport, ...]) -> list[str]:
+    """Each worker's peak RSS, PSS and shared bytes, and how its weights were loaded."""
+    if not any(s.peak_rss_bytes for s in slots):
+        return []
+    per = ", ".join(f"#{s.slot} RSS {s.peak_rss_bytes >> 20} / PSS {s.peak_pss_bytes >> 20} / shared "
+                    f"{s.peak_shared_bytes >> 20}" for s in slots)
+    notes = sorted({s.weights for s in slots if s.weights})
+    return [f"worker memory (peak MiB): {per}", *(f"weights: {n}" for n in notes)]

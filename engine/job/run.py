@@ -164,6 +164,7 @@ class JobRun:
         self.stats: Any = None
         self.describe: Any = None
         self.peak_workers_rss = 0
+        self.peak_slots: dict[int, tuple[int, int, int]] = {}
         self.workers = 0
         self.mode = ""
         self.draining = False
@@ -346,6 +347,9 @@ class JobRun:
     def _sample(self, eng: Any) -> int:
         st = eng.stats()
         self.peak_workers_rss = max(self.peak_workers_rss, sum(s.rss_bytes for s in st.slots))
+        for s in st.slots:  # each worker's peak RSS, PSS and shared bytes, for the report
+            was = self.peak_slots.get(s.slot, (0, 0, 0))
+            self.peak_slots[s.slot] = (max(was[0], s.rss_bytes), max(was[1], s.pss_bytes), max(was[2], s.shared_bytes))
         return int(st.restarts)
 
     def finish(self, store: Store, count: int, skipped: int) -> JobOutcome:  # step 5
@@ -393,7 +397,7 @@ class JobRun:
         spec, col, st = self.spec, self.collector, self.stats
         lat = np.asarray(col.latencies or [0.0])
         computed = col.done + col.failed
-        slots = () if st is None else tuple(SlotReport.of(s) for s in st.slots)
+        slots = () if st is None else tuple(SlotReport.of(s, self.peak_slots.get(s.slot)) for s in st.slots)
         return Report(
             command=spec.command, model=str(spec.model) if spec.model else None,
             input=str(spec.input), output=str(spec.output), parts=str(spec.parts),
