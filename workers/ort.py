@@ -42,6 +42,8 @@ class OrtSession:
         requested = _provider_names(spec.providers)
         providers, degraded = _usable_providers(spec)
         self.pinned = _pinned(spec, providers)
+        if self.pinned.form == "prepacked":  # optimized once, when it was written: re-optimizing it
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # cost 32 MiB of heap
         self._sess = ort.InferenceSession(self.pinned.path, sess_options=so, providers=providers)
         applied = tuple(self._sess.get_providers())
         accel = [p for p in requested if p != _CPU]

@@ -60,6 +60,7 @@ class Pinned:
     digest: str  # the version it is (== spec.digest when the caller pinned one)
     shared: bool  # its weights are a file every worker maps (one copy in memory)
     note: str  # what was loaded and why, for stats() and describe()
+    form: str = "as given"  # "prepacked": optimized once, when the entry was written; else the model's own bytes
 
 
 def default_cache_dir() -> str:
@@ -135,7 +136,8 @@ def _usable(entry: Path, digest: str) -> Pinned | None:
                     return None
         except OSError:
             return None
-    return Pinned(str(entry / manifest["model"]), digest, bool(manifest["shared"]), manifest["note"])
+    return Pinned(str(entry / manifest["model"]), digest, bool(manifest["shared"]), manifest["note"],
+                  "prepacked" if manifest["form"] == "prepacked" else "as given")
 
 
 def _build(spec: SessionSpec, root: Path, key: str, digest: str, form: str, convert: Convert | None) -> Pinned:
