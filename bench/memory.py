@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-import os
 from typing import Any
 
 
