@@ -148,13 +148,41 @@ def start_times(model: str, cache: str) -> tuple[float, float, float]:
     return first, timed(), timed(share_weights=False)
 
 
+def demo_batch_sizes(sizes: list[str], repeats: int) -> None:
+    """The demo job (`slabpool run`, 512 images) at each --batch-size: items/s and each worker's
+    peak RSS, from its report.json; sizes alternate, `repeats` rounds."""
+    import json
+    import subprocess
+    import sys
+
+    rows: dict[str, list[tuple[float, int]]] = {s: [] for s in sizes}
+    for _ in range(repeats):
+        for size in sizes:
+            with tempfile.TemporaryDirectory(prefix="slabpool-demo-") as d:
+                subprocess.run([sys.executable, "-m", "slabpool", "run", "--batch-size", size], cwd=d, check=True,
+                               capture_output=True)
+                (report,) = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f == "report.json"]
+                rep = json.load(open(report))
+            rows[size].append((rep["throughput_items_per_s"], max(s["peak_rss_bytes"] for s in rep["slots"])))
+    print(f"{'--batch-size':>12} | {'items/s':>17} | {'worker peak RSS':>17}")
+    for size, got in rows.items():
+        rates, rss = [g[0] for g in got], [g[1] for g in got]
+        print(f"{size:>12} | {min(rates):>7.0f} - {max(rates):<7.0f} | {min(rss) / MiB:>6.0f} - {max(rss) / MiB:<6.0f} MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[2])
     ap.add_argument("--mib", type=int, default=128, help="MiB of weights (the issue's model: 480)")
     ap.add_argument("--dim", type=int, default=2048, help="width of each layer")
     ap.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
     ap.add_argument("--items", type=int, default=200, help="items timed per engine (one row each)")
+    ap.add_argument("--batch-sizes", metavar="S,S,...", help="instead: the demo job at each --batch-size "
+                    "(e.g. auto,8,32,256), items/s and worker peak RSS")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of --batch-sizes, alternating")
     args = ap.parse_args(argv)
+    if args.batch_sizes:
+        demo_batch_sizes(args.batch_sizes.split(","), args.repeats)
+        return 0
     with tempfile.TemporaryDirectory(prefix="slabpool-bench-memory-") as d:
         model = os.path.join(d, "big.onnx")
         weights = big_mlp(model, args.mib, args.dim)

@@ -150,7 +150,15 @@ def _pinned(spec: SessionSpec, providers: list[Any]) -> Pinned:
     return pin(spec, "prepacked", runtime, _prepack_apart)
 
 
-_CHILD = "import sys; from slabpool.workers.ort import _prepack; sys.exit(0 if _prepack(*sys.argv[1:]) else 3)"
+_CHILD = """import sys
+from slabpool.workers.ort import _prepack
+try:
+    ok = _prepack(*sys.argv[1:])
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(1)
+sys.exit(0 if ok else 3)
+"""
 
 
 def _prepack_apart(src: str, dst: str) -> bool:
@@ -159,8 +167,8 @@ def _prepack_apart(src: str, dst: str) -> bool:
     keeps it: the converting worker held one more copy of the weights than the others)."""
     done = subprocess.run([sys.executable, "-c", _CHILD, src, dst], capture_output=True, text=True, check=False)
     if done.returncode not in (0, 3):
-        raise RuntimeError(f"writing the prepacked form of {src} failed (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-2000:]}")
+        why = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        raise RuntimeError(f"onnxruntime could not load the model: {why}")
     return done.returncode == 0
 
 

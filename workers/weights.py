@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import json
@@ -40,6 +39,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slabpool.workers.session import SessionSpec, model_digest, model_files
 
@@ -136,8 +136,7 @@ def _usable(entry: Path, digest: str) -> Pinned | None:
                     return None
         except OSError:
             return None
-    return Pinned(str(entry / manifest["model"]), digest, bool(manifest["shared"]), manifest["note"],
-                  "prepacked" if manifest["form"] == "prepacked" else "as given")
+    return _pinned(entry, manifest)
 
 
 def _build(spec: SessionSpec, root: Path, key: str, digest: str, form: str, convert: Convert | None) -> Pinned:
@@ -155,18 +154,23 @@ def _build(spec: SessionSpec, root: Path, key: str, digest: str, form: str, conv
         finally:
             _remove(tmp)
         log.info("slabpool: weight cache entry %s written (%s)", root / key, manifest["note"])
-    found = _usable(root / key, digest)
-    if found is None:
-        raise OSError(errno.EIO, f"the cache entry {root / key} does not match its manifest right after writing")
-    return found
+        return _pinned(root / key, manifest)  # its files were hashed as the manifest was written
 
 
-def _write(spec: SessionSpec, tmp: Path, digest: str, form: str, convert: Convert | None) -> dict[str, object]:
+def _pinned(entry: Path, manifest: dict[str, Any]) -> Pinned:
+    return Pinned(str(entry / manifest["model"]), manifest["digest"], bool(manifest["shared"]), manifest["note"],
+                  "prepacked" if manifest["form"] == "prepacked" else "as given")
+
+
+def _write(spec: SessionSpec, tmp: Path, digest: str, form: str, convert: Convert | None) -> dict[str, Any]:
     tmp.mkdir(mode=0o700)
     src = tmp / "src" if form == "prepacked" else tmp
     names = _copy_source(spec, src, digest)
     if form == "prepacked" and convert is not None:
-        shared = convert(str(src / names[0]), str(tmp / "model.onnx"))
+        try:
+            shared = convert(str(src / names[0]), str(tmp / "model.onnx"))
+        except Exception as exc:  # name the user's file, not our copy of it
+            raise RuntimeError(str(exc).replace(str(src), str(Path(spec.path).absolute().parent))) from None
         shutil.rmtree(src)
         model = "model.onnx"
         note = ("prepacked weights in a memory-mapped file every worker shares" if shared else
@@ -174,7 +178,7 @@ def _write(spec: SessionSpec, tmp: Path, digest: str, form: str, convert: Conver
     else:
         shared, model, note = False, names[0], "loaded as given"
     files = {p.relative_to(tmp).as_posix(): p for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest: dict[str, object] = {
+    manifest: dict[str, Any] = {
         "format": FORMAT, "digest": digest, "form": form, "model": model, "shared": shared, "note": note,
         "source": os.path.abspath(spec.path),
         "files": {name: {"size": p.stat().st_size, "sha256": _sha256(p)} for name, p in files.items()},
