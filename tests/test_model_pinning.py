@@ -152,3 +152,13 @@ def test_a_changed_source_is_refused_not_loaded(tmp_path: Path, cache: str) -> N
     with pytest.raises(ModelChanged, match=r"changed on disk .*version [0-9a-f]{16}, now [0-9a-f]{16}.*reload\(\)"):
         pin(spec, "copy")
     assert not list((tmp_path / "cache").glob("*-copy-*/manifest.json")) if cache == "entry" else True
+
+
+def test_the_pinned_model_under_both_start_methods(tmp_path: Path, start_method: str) -> None:
+    path, new_file = _mlps(tmp_path, seed=1)
+    ref = ort_run(path, {"x": X16})["probs"]
+    with Engine(path, workers=1, start_method=start_method, _fault_injection=True, cache_dir=tmp_path / "c") as eng:
+        version = eng.model_version
+        renamed_over(new_file, path)
+        res = eng.submit({"x": X16}, _fault=FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(timeout=60)
+    assert res.attempts == 2 and res.model_version == version and res.outputs["probs"].tobytes() == ref.tobytes()

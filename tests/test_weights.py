@@ -324,3 +324,12 @@ def test_doctor_shows_each_workers_memory(models, tmp_path):
     assert "weights: prepacked weights in a memory-mapped file every worker shares" in p.stdout
     for slot in (0, 1):
         assert f"worker #{slot}" in p.stdout and "PSS" in p.stdout and "shared" in p.stdout, p.stdout
+
+
+def test_the_shared_form_under_intra_op_threads(models, tmp_path):
+    """The cache key holds no thread count: the prepacked form must give the same bytes at 2 threads."""
+    x = {"x": np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)}
+    with Engine(models.slow, workers=1, threads_per_worker=2, cache_dir=tmp_path / "c") as eng:
+        res = eng.submit(x).result(timeout=60)
+        assert eng.describe().weights.startswith("prepacked")
+    assert res.outputs["y"].tobytes() == ort_run(models.slow, x)["y"].tobytes()
