@@ -20,7 +20,8 @@
 
      crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
        a  slot k -> DEAD; the process is reaped before any lease it held is reused
-       b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready
+       b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready; it loads
+          the model version pinned at start (workers.weights), whatever the file is now
        c  its tasks replay in acceptance order, attempt + 1 (a stacked batch keeps its
           composition: a replay is byte-identical; groups of tiny tasks are cut anew)
        d  only what was running is charged: the task named by the slot's status word in

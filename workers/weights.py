@@ -94,8 +94,6 @@ def pin(spec: SessionSpec, form: str, runtime: str = "", convert: Convert | None
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         entry = _usable(root / key, digest) or _build(spec, root, key, digest, form, convert)
-    except ModelChanged:
-        raise
     except OSError as exc:  # read-only or full: no cache, but still the pinned version
         log.warning("slabpool: the weight cache %s cannot be used (%s); loading %s directly",
                     root, exc, spec.path)
