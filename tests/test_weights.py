@@ -181,8 +181,7 @@ DAMAGE = {"data truncated": _truncate, "a byte flipped": _flip, "manifest unread
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_entry_is_dropped_and_rebuilt(models, tmp_path, damage):
     x = {"x": np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)}
-    with Engine(models.slow, workers=1, cache_dir=tmp_path / "c") as eng:
-        eng.submit(x).result(timeout=60)
+    _pin_prepacked(_spec(models.slow, tmp_path / "c"))  # the entry, as an engine's first start writes it
     DAMAGE[damage](_entry(tmp_path / "c"))
     with Engine(models.slow, workers=1, cache_dir=tmp_path / "c") as eng:
         res = eng.submit(x).result(timeout=60)
