@@ -159,8 +159,8 @@ def demo_batch_sizes(sizes: list[str], repeats: int) -> None:
     for _ in range(repeats):
         for size in sizes:
             with tempfile.TemporaryDirectory(prefix="slabpool-demo-") as d:
-                subprocess.run([sys.executable, "-m", "slabpool", "run", "--batch-size", size], cwd=d, check=True,
-                               capture_output=True)
+                flag = [] if size == "auto" else ["--batch-size", size]  # auto: the job's default
+                subprocess.run([sys.executable, "-m", "slabpool", "run", *flag], cwd=d, check=True, capture_output=True)
                 (report,) = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f == "report.json"]
                 rep = json.load(open(report))
             rows[size].append((rep["throughput_items_per_s"], max(s["peak_rss_bytes"] for s in rep["slots"])))

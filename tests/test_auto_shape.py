@@ -93,3 +93,33 @@ def test_auto_workers_on_every_cpu_when_memory_holds_them(models):
         st = eng.stats()
     cpus = usable_cpus()
     assert len(st.slots) == cpus and "shared weights once" in st.pool_shape, st.pool_shape
+
+
+def test_auto_workers_without_a_model():
+    with Engine(None, workers="auto", preprocess="tests.hooks:double") as eng:
+        st = eng.stats()
+    assert len(st.slots) == usable_cpus() and "no model to probe" in st.pool_shape
+
+
+class _R:  # a Result's two fields the sizer reads
+    def __init__(self, run: float, rows: int) -> None:
+        self.timings = type("T", (), {"run": run})()
+        self.outputs = {"y": np.zeros((rows, 1), np.float32)}
+
+
+def test_auto_block_size_probes_small_and_grows_once_from_a_real_task():
+    from slabpool.engine.caller.blocks import PROBE_CALLS, PROBE_ROWS, BlockSizer, _cut
+
+    s = BlockSizer("auto", in_row_bytes=4, arena_bytes=1 << 30, in_flight=4)
+    assert s.next() == PROBE_ROWS * PROBE_CALLS and next(_cut([(0, 100)], s))[2] == PROBE_ROWS  # calls of 8 rows
+    s.observe(_R(0.0032, 32), 32)  # a probe slowed down (100 us a row): calls of 20 rows
+    assert s.step == 20
+    s.observe(_R(0.0002, 200), 200)  # the first real task: 1 us a row -> calls of ~2 ms, once
+    assert s.step == 2000
+    s.observe(_R(0.02, 200), 200)  # much slower later: the step never shrinks, nor grows again
+    s.observe(_R(0.00002, 200), 200)
+    assert s.step == 2000
+    quiet = BlockSizer("auto", 4, 1 << 30, 4)
+    quiet.observe(_R(0.000032, 32), 32)  # a true probe: 1 us a row
+    quiet.observe(_R(0.004, 2000), 2000)  # 2 us a row in calls of 2000: the step stays
+    assert quiet.step == 2000

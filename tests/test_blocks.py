@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine, EngineError, InputContractError, PoisonTask, RowsFailed, SessionRunError
-from slabpool.engine.caller.blocks import PROBE_ROWS, BlockSizer
+from slabpool.engine.caller.blocks import PROBE_CALLS, PROBE_ROWS, BlockSizer
 from tests.models import onnx_models
 from tests.reference import litert_run, ort_run
 
@@ -106,7 +106,7 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
             self.outputs = {"y": np.zeros((rows, 1), np.float32)}
 
     s = BlockSizer("auto", in_row_bytes=4, arena_bytes=1 << 30, in_flight=4)
-    assert s.probing and s.next() == PROBE_ROWS and s.step == 0  # one call, timed
+    assert s.probing and s.next() == PROBE_ROWS * PROBE_CALLS and s.step == 0  # a few small calls, timed
     s.observe(R(0.0001, 100), 100)  # 1 us a row: calls of 2 ms, tasks of 30 ms
     assert not s.probing and s.step == 2000 and s.next() == 15 * 2000
     s.observe(R(0.001, 100), 100)  # slower now (3.7 us a row, an EWMA): fewer calls a task, the step stays

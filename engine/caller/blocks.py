@@ -46,6 +46,7 @@ STEP_TARGET_S = 0.002  # run time per session call aimed at when the size is "au
 # cost what the smallest size a user would try costs, and time a row well enough to size the
 # calls (the time per row it measures is at most too high: calls come out smaller, never larger)
 PROBE_ROWS = 8
+PROBE_CALLS = 4  # ... in one task of this many calls: one call of 8 rows is too short to time alone
 MAX_BLOCK_ROWS = 1 << 20
 
 # a block failing with one of these is cut in two: the failure may belong to some rows only
@@ -94,10 +95,12 @@ class BlockSizer:
     """How rows go: `step`, the rows of one session call, and `next()`, the rows of one task
     (a whole number of steps, so that a task is those calls one after another).
 
-    A fixed size N is the step; "auto" probes one call of PROBE_ROWS, then takes calls of
-    about STEP_TARGET_S (small calls keep a model's activations in the caches: an MLP
+    A fixed size N is the step; "auto" probes PROBE_CALLS calls of PROBE_ROWS, then takes
+    calls of about STEP_TARGET_S (small calls keep a model's activations in the caches: an MLP
     64->1024->10 ran 1.85 us a row in calls of 1024 rows, 2.3 in 4096, 2.75 in 8192) and
-    fixes that step for the rest. A task holds as many steps as run in about BLOCK_TARGET_S
+    fixes that step for the rest (it may grow once, timed on the first task of such calls: a
+    probe slowed down by the host must not keep the calls small). A task holds as many steps
+    as run in about BLOCK_TARGET_S
     (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %; a quarter of
     `task_timeout` at most, which holds for a whole task), bounded so that the tasks in flight
     take at most half of each arena. Not `group`: one step a task (a preprocess or postprocess
@@ -109,6 +112,7 @@ class BlockSizer:
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {size!r}")
         self.fixed = size if isinstance(size, int) else None
         self.step = self.fixed or 0  # 0: not chosen yet ("auto" while probing)
+        self._rechosen = self.fixed is not None  # "auto": the step may grow once, from a real task
         self.per_row: float | None = None
         self.out_row_bytes = 0
         self.in_row_bytes = in_row_bytes
@@ -129,7 +133,7 @@ class BlockSizer:
     def next(self) -> int:
         """Rows of the next task: a whole number of steps (at least one)."""
         if self.per_row is None:
-            return self.step or min(PROBE_ROWS, self._cap())  # one call, timed
+            return self.step or min(PROBE_ROWS * PROBE_CALLS, self._cap())  # calls of PROBE_ROWS, timed
         if not self.group:
             return self.step
         steps = int(self.target_s / max(self.per_row * self.step, 1e-9))
@@ -142,8 +146,14 @@ class BlockSizer:
         self.per_row = per if self.per_row is None else 0.7 * self.per_row + 0.3 * per
         if isinstance(res.outputs, dict):
             self.out_row_bytes = sum(int(np.asarray(v).nbytes) for v in res.outputs.values()) // rows
-        if not self.step:  # "auto": the step, once, from the first call's time
-            self.step = max(1, min(int(STEP_TARGET_S / max(self.per_row, 1e-9)), self._cap()))
+        if not self.step:  # "auto": the step, from the probe's time a row
+            self.step = self._chosen(self.per_row)
+        elif not self._rechosen:  # and once more from this task's own time: only ever larger, in
+            self._rechosen = True  # case the probe was slowed down (its calls are short); ~2 ms a call at most
+            self.step = max(self.step, self._chosen(per))
+
+    def _chosen(self, per_row: float) -> int:
+        return max(1, min(int(STEP_TARGET_S / max(per_row, 1e-9)), self._cap()))
 
 
 @dataclass
@@ -208,7 +218,7 @@ def _cut(runs: Iterable[tuple[int, int]], sizer: BlockSizer) -> Iterator[tuple[i
     for lo, hi in runs:
         while lo < hi:
             end = min(hi, lo + sizer.next())
-            yield lo, end, sizer.step
+            yield lo, end, sizer.step or PROBE_ROWS  # while "auto" probes: calls of PROBE_ROWS
             lo = end
 
 
