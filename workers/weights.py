@@ -167,7 +167,7 @@ def _write(spec: SessionSpec, tmp: Path, digest: str, form: str, convert: Conver
     if form == "prepacked" and convert is not None:
         try:
             shared = convert(str(src / names[0]), str(tmp / "model.onnx"))
-        except Exception as exc:  # name the user's file, not our copy of it
+        except Exception as exc:  # noqa: BLE001 - any runtime error: name the user's file, not our copy
             raise RuntimeError(str(exc).replace(str(src), str(Path(spec.path).absolute().parent))) from None
         shutil.rmtree(src)
         model = "model.onnx"
