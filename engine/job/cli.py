@@ -413,6 +413,9 @@ def _weight_cache_line() -> str:
 
 def _doctor_model(model: Path, workers: int) -> None:
     """Start `workers` workers on `model`, run each once, print each one's memory."""
+    import numpy as np
+
+    from slabpool.engine.job.sources import JobError
     from slabpool.engine.local.pool import Engine
 
     if not model.is_file():
