@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 HASH   := $(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 BASE   := $(VENV)/.installed-base-$(HASH)
 FULL   := $(VENV)/.installed-full-$(HASH)
-EXTRAS := litert,parquet,test,bench,dev,metrics,ray
+EXTRAS := litert,parquet,test,bench,dev,metrics,ray,serve
 
 .PHONY: run test test-fast bench bench-jobs check venv clean
 

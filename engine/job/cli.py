@@ -5,6 +5,7 @@
     slabpool inspect MODEL                inputs/outputs, dynamic axes, runtimes available
     slabpool doctor                       shared memory, memory, CPUs, runtimes on this host
     slabpool bench MODEL                  throughput over worker counts
+    slabpool serve MODEL [MODEL ...]      Open Inference Protocol over HTTP and gRPC (engine.serve)
 
 Exit status: 0 all done; 2 done, some items failed (listed); 1 the job could not run (one line
 on stderr; a traceback with --verbose); 130/143 interrupted by SIGINT/SIGTERM (resumable).
@@ -141,6 +142,10 @@ def build_parser() -> Parser:
     bench.add_argument("--workers", help="comma-separated worker counts (default 1,2,4,... up to usable CPUs)")
     bench.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     bench.set_defaults(func=cmd_bench)
+
+    from slabpool.engine.serve.cli import add_parser as add_serve_parser  # argparse only: stays light
+
+    add_serve_parser(sub, formatter_class=fmt)
     return p
 
 

@@ -1,0 +1,23 @@
+"""`slabpool serve`: the Open Inference Protocol (KServe V2) over HTTP and gRPC, on the engine.
+
+An application on the engine (DESIGN.md, "Applications on the engine"): it uses `Engine`'s
+public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the metrics module).
+
+    client (tritonclient, curl, KServe)
+      |  HTTP/REST: JSON or binary tensors            gRPC: inference.GRPCInferenceService
+      v                                               v
+    http.py (ASGI on uvicorn)                       grpc.py (grpc.aio)
+      |  decode once into numpy (tensors.py)          |  raw_input_contents -> np.frombuffer
+      +--------------------> core.Frontend <----------+
+                               |  health, metadata: models.py (stats(), describe())
+                               |  infer: Engine.infer_async, one engine per model
+                               v
+                             Engine: admission queue (503 when full), workers, crash replay
+      <-- encode once: raw bytes / JSON data (tensors.py), errors as errors.py maps them
+
+    cli         `slabpool serve` arguments (argparse only)     server   both servers, signals, drain
+    core        the one inference path, health, accounting     models   engines, readiness, metadata, reload
+    http / grpc the two transports                             tensors  wire <-> numpy
+    errors      status codes of both transports                metrics  /metrics
+    proto/      the vendored .proto and protoc's message code (generate.py)
+"""

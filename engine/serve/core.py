@@ -1,0 +1,190 @@
+"""The server's one inference path, shared by HTTP and gRPC: a transport decodes a request into
+an `InferRequest`, `Frontend.infer` runs it on the model's engine, the transport encodes the
+`InferResponse`.
+
+    transport (http.py / grpc.py)          Frontend                         Engine (one per model)
+    decode once -> InferRequest  ----->    draining? -> 503
+                                           model, version -> 404
+                                           outputs asked exist? -> 400
+                                           infer_async(inputs, deadline)  ---> contract (400), queue
+                                             under the request's timeout       (503 when full), run,
+                                             (504); client gone: cancelled     replay on a crash
+    encode once <- InferResponse  <----    outputs selected, as arrays  <---- outputs
+
+Health is read here too: live while the process answers; ready while not draining and every
+model has a slot that can serve (engine/serve/models.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from slabpool.engine.serve import tensors
+from slabpool.engine.serve.errors import BadRequest, ServeError, Status, Unavailable, from_engine
+from slabpool.engine.serve.metrics import RequestMetrics
+from slabpool.engine.serve.models import Repository, Served
+
+access_log = logging.getLogger("slabpool.serve.access")
+
+
+@dataclass
+class Requested:
+    """An output the client asked for, and whether it wants it as raw bytes (binary extension)."""
+
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    model: str
+    version: str
+    id: str
+    inputs: dict[str, Any]
+    outputs: list[Requested] | None  # None: every output
+    binary_outputs: bool  # the default for outputs not listed (binary_data_output)
+    timeout: float | None  # seconds: the request's `timeout` parameter or the gRPC deadline
+
+
+@dataclass
+class OutputTensor:
+    name: str
+    datatype: str
+    shape: list[int]
+    array: np.ndarray[Any, Any]
+    binary: bool
+
+
+@dataclass
+class InferResponse:
+    model: str
+    version: str
+    id: str
+    outputs: list[OutputTensor]
+
+
+class Frontend:
+    """What both transports serve: health, metadata, inference, drain, accounting."""
+
+    def __init__(self, repo: Repository, metrics: RequestMetrics, *, log_access: bool = False) -> None:
+        self.repo = repo
+        self.metrics = metrics
+        self.log_access = log_access
+        self.draining = False
+        self.inflight = 0
+        self._idle: asyncio.Event | None = None
+
+    # -- health and metadata --------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return not self.draining and self.repo.ready()
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        served = self.repo[name]
+        served.check_version(version)
+        return not self.draining and served.ready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        from slabpool import __version__
+
+        return {"name": "slabpool", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def infer(self, req: InferRequest) -> InferResponse:
+        if self.draining:
+            raise Unavailable("the server is draining (SIGTERM): it accepts no new request")
+        served = self.repo[req.model]
+        served.check_version(req.version)
+        _check_outputs(served, req.outputs)
+        self.inflight += 1
+        try:
+            outputs = await self._run(served, req)
+        finally:
+            self.inflight -= 1
+            if self._idle is not None and not self.inflight:
+                self._idle.set()
+        return InferResponse(req.model, served.version, req.id, _select(outputs, req))
+
+    async def _run(self, served: Served, req: InferRequest) -> Any:
+        eng = served.engine
+        try:
+            if req.timeout is None:
+                return await eng.infer_async(req.inputs)
+            async with asyncio.timeout(req.timeout):
+                return await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
+        except TimeoutError as exc:
+            if req.timeout is not None and not isinstance(exc, ServeError):
+                raise ServeError(f"the request's timeout ({req.timeout * 1e6:.0f} us) passed",
+                                 Status.DEADLINE_EXCEEDED) from None
+            raise from_engine(exc) from None
+        except (asyncio.CancelledError, ServeError):
+            raise
+        except Exception as exc:
+            raise from_engine(exc) from None
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Draining: True once every accepted request has been answered, False at `timeout`."""
+        self._idle = asyncio.Event()
+        if not self.inflight:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def record(self, model: str, transport: str, status: Status, started: float, request_id: str = "",
+               code: str | None = None) -> None:
+        """One answered request: its counters, its latency, its access log line (if on)."""
+        seconds = time.perf_counter() - started
+        if model not in self.repo:  # a label per name a client made up would grow without bound
+            model = ""
+        code = code or (str(status.http) if transport == "http" else status.grpc)
+        self.metrics.observe(model, transport, code, seconds)
+        if self.log_access:
+            access_log.info(orjson.dumps({
+                "ts": round(time.time(), 6), "transport": transport, "model": model, "code": code,
+                "ms": round(seconds * 1e3, 3), "id": request_id,
+            }).decode())
+
+
+EXTENSIONS = ("binary_tensor_data", "model_repository", "parameters")
+
+
+def _check_outputs(served: Served, outputs: list[Requested] | None) -> None:
+    """Outputs asked for that the model does not have: 400 before anything runs (a postprocess
+    may return other names: then they are checked against what it returned)."""
+    if outputs is None or served.engine.config.postprocess is not None:
+        return
+    known = [s.name for s in served.engine.describe().outputs]
+    for r in outputs:
+        if r.name not in known:
+            raise BadRequest(f"unknown output {r.name!r} requested; model {served.name!r} has outputs {known}")
+
+
+def _select(outputs: Any, req: InferRequest) -> list[OutputTensor]:
+    if not isinstance(outputs, dict):
+        raise ServeError(f"the postprocess returned a {type(outputs).__name__}; the server needs a dict "
+                         "name -> array", Status.INTERNAL)
+    wanted = req.outputs if req.outputs is not None else [Requested(n, req.binary_outputs) for n in outputs]
+    chosen = []
+    for r in wanted:
+        if r.name not in outputs:
+            raise BadRequest(f"unknown output {r.name!r} requested; the outputs are {list(outputs)}")
+        try:
+            arr = tensors.as_output(r.name, outputs[r.name])
+        except TypeError as exc:
+            raise ServeError(str(exc), Status.INTERNAL) from None
+        chosen.append(OutputTensor(r.name, tensors.datatype_of(arr.dtype), list(arr.shape), arr, r.binary))
+    return chosen

@@ -1,0 +1,318 @@
+"""The protocol over HTTP/REST: a plain ASGI app (served by uvicorn with httptools and uvloop).
+
+    GET  v2/health/live | v2/health/ready              200 {"live"|"ready": true}; 503 when not ready
+    GET  v2                                            server metadata
+    GET  v2/models/{m}[/versions/{v}][/ready]          model metadata / readiness
+    POST v2/models/{m}[/versions/{v}]/infer            JSON tensors, or the binary tensor extension
+    POST v2/repository/index                           the models and their state
+    POST v2/repository/models/{m}/load                 hot reload from its file (or "parameters": {"path"})
+    GET  metrics                                       Prometheus text
+
+No framework routes it: the paths are few and fixed, and a router's per-request matching
+costs more than this whole dispatch (the choice is measured in docs/serve.md). While an
+inference waits, a watcher reads the connection: a client that disconnects cancels its request
+(queued: it never runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from slabpool.engine.serve import tensors
+from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested
+from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status
+from slabpool.engine.serve.metrics import CONTENT_TYPE
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+HEADER_LENGTH = b"inference-header-content-length"
+_JSON = [(b"content-type", b"application/json")]
+_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+class HttpApp:
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan: nothing to start, the engines are up already
+            if scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
+        started = time.perf_counter()
+        parts = scope["path"].strip("/").split("/")
+        method = scope["method"]
+        if method == "POST" and len(parts) >= 4 and parts[:2] == ["v2", "models"] and parts[-1] == "infer":
+            await self._infer(scope, receive, send, parts, started)
+            return
+        try:
+            status, body = await self._route(method, parts, receive)
+        except ServeError as exc:
+            status, body = exc.status, {"error": str(exc)}
+        if status is Status.CANCELLED:
+            return
+        if isinstance(body, bytes):
+            await _send(send, status.http, body, [(b"content-type", CONTENT_TYPE.encode())])
+        else:
+            await _send(send, status.http, orjson.dumps(body), _JSON)
+
+    async def _route(self, method: str, parts: list[str], receive: Receive) -> tuple[Status, Any]:
+        fe = self.fe
+        if parts == ["metrics"] and method == "GET":
+            return Status.OK, fe.metrics.render()
+        if parts == ["v2", "health", "live"]:
+            return Status.OK, {"live": True}
+        if parts == ["v2", "health", "ready"]:
+            ready = fe.ready()
+            return (Status.OK if ready else Status.UNAVAILABLE), {"ready": ready}
+        if parts == ["v2"]:
+            return Status.OK, fe.server_metadata()
+        if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
+            name, version, rest = _model_path(parts)
+            if rest == []:
+                served = fe.repo[name]
+                served.check_version(version)
+                return Status.OK, served.metadata()
+            if rest == ["ready"]:
+                ready = fe.model_ready(name, version)
+                return (Status.OK if ready else Status.UNAVAILABLE), {"name": name, "ready": ready}
+        if method == "POST" and parts[:2] == ["v2", "repository"]:
+            return await self._repository(parts[2:], await _body(receive))
+        raise NotFound(f"no route {method} /{'/'.join(parts)}")
+
+    async def _repository(self, parts: list[str], body: bytes) -> tuple[Status, Any]:
+        fe = self.fe
+        if parts == ["index"]:
+            return Status.OK, [{"name": n, "version": m.version, "state": "READY" if m.ready() else "UNAVAILABLE"}
+                               for n, m in fe.repo.items()]
+        if len(parts) == 3 and parts[0] == "models" and parts[2] == "load":
+            params = (_json(body).get("parameters") or {}) if body else {}
+            path = params.get("path")
+            if path is not None and not isinstance(path, str):
+                raise BadRequest(f"parameters.path must be a string, got {path!r}")
+            version = await _reload(fe.repo[parts[1]], path)
+            return Status.OK, {"name": parts[1], "version": version}
+        if len(parts) == 3 and parts[0] == "models" and parts[2] == "unload":
+            raise BadRequest("unload is not supported: every model is served from start to shutdown")
+        raise NotFound(f"no route POST /v2/repository/{'/'.join(parts)}")
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, parts: list[str], started: float) -> None:
+        name, version, _ = _model_path(parts[:-1])
+        request_id = ""
+        try:
+            self.fe.repo[name].check_version(version)  # 404 before the body is read
+            body = await _body(receive)
+            req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
+            request_id = req.id
+            resp = await _watching(receive, self.fe.infer(req))
+        except ServeError as exc:
+            status = exc.status
+            if status is not Status.CANCELLED:
+                await _send(send, status.http, orjson.dumps({"error": str(exc)}), _JSON)
+            self.fe.record(name, "http", status, started, request_id)
+            return
+        payload, header_len = encode_response(resp)
+        headers = _JSON if header_len is None else [
+            (b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(header_len).encode())]
+        await _send(send, 200, payload, headers)
+        self.fe.record(name, "http", Status.OK, started, request_id)
+
+
+async def _reload(served: Any, path: str | None) -> str:
+    from slabpool import SessionInitError, SignatureChanged
+
+    try:
+        return str(await served.reload(path))
+    except (SignatureChanged, FileNotFoundError, ValueError) as exc:
+        raise BadRequest(f"reload of {served.name!r} refused: {exc}; the old model keeps serving") from None
+    except SessionInitError as exc:
+        raise ServeError(f"reload of {served.name!r} failed: {exc}; the old model keeps serving") from None
+
+
+async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
+    """Run `work`; a disconnect of the client meanwhile cancels it (and so its engine task)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client spoke or left before its answer: only a disconnect can come now
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED)
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
+    """v2/models/{name}[/versions/{v}]/rest... -> name, version, rest."""
+    name, rest = parts[2], parts[3:]
+    if len(rest) >= 2 and rest[0] == "versions":
+        return name, rest[1], rest[2:]
+    return name, "", rest
+
+
+def _header(scope: Scope, key: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == key:
+            return bytes(v)
+    return None
+
+
+async def _body(receive: Receive) -> bytes:
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body"):
+        return bytes(body)
+    chunks = [body]
+    while msg.get("more_body"):
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ServeError("the client disconnected before its request was read", Status.CANCELLED)
+        chunks.append(msg.get("body", b""))
+    return b"".join(chunks)
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+# -- the JSON and binary request and response --------------------------------------------------------
+
+
+def _json(data: bytes | memoryview) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def decode_request(name: str, version: str, body: bytes, header_length: bytes | None) -> InferRequest:
+    """The JSON header (all of the body, or its first Inference-Header-Content-Length bytes)
+    and the binary tensors after it, each read once, straight into numpy."""
+    view = memoryview(body)
+    if header_length is None:
+        head, blob = _json(view), view[len(view):]
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not 0 <= n <= len(view):
+            raise BadRequest(f"Inference-Header-Content-Length is {n} but the body holds {len(view)} bytes")
+        head, blob = _json(view[:n]), view[n:]
+    inputs = head.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest("the request needs \"inputs\": a non-empty list of tensors")
+    params = _params(head.get("parameters"), "the request")
+    feeds: dict[str, Any] = {}
+    pos = 0
+    for t in inputs:
+        tname, datatype, shape = _tensor_head(t)
+        size = _params(t.get("parameters"), f"input {tname!r}").get("binary_data_size")
+        if size is not None:
+            if type(size) is not int or size < 0 or pos + size > len(blob):
+                raise BadRequest(f"input {tname!r}: binary_data_size {size!r} runs past the {len(blob)} bytes "
+                                 f"of binary data (at offset {pos})")
+            feeds[tname] = tensors.from_buffer(tname, datatype, shape, blob[pos : pos + size])
+            pos += size
+        elif "data" in t:
+            feeds[tname] = tensors.from_list(tname, datatype, shape, t["data"])
+        else:
+            raise BadRequest(f"input {tname!r} has neither \"data\" nor parameters.binary_data_size")
+    if pos != len(blob):
+        raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
+    return InferRequest(name, version, str(head.get("id", "")), feeds, _outputs(head.get("outputs")),
+                        bool(params.get("binary_data_output", False)), _timeout(params.get("timeout")))
+
+
+def _tensor_head(t: Any) -> tuple[str, str, tuple[int, ...]]:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        raise BadRequest(f"each input needs a \"name\", \"shape\" and \"datatype\"; got {str(t)[:200]}")
+    name = t["name"]
+    datatype = t.get("datatype")
+    if not isinstance(datatype, str):
+        raise BadRequest(f"input {name!r} needs a \"datatype\" (FP32, INT64, BYTES, ...), got {datatype!r}")
+    return name, datatype, tensors.check_shape(name, t.get("shape"))
+
+
+def _params(p: Any, whose: str) -> dict[str, Any]:
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise BadRequest(f"{whose}: \"parameters\" must be an object, got {p!r}")
+    return p
+
+
+def _outputs(outputs: Any) -> list[Requested] | None:
+    if outputs is None:
+        return None
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                for o in outputs):
+        raise BadRequest(f"\"outputs\" must be a list of {{\"name\": ...}} objects, got {str(outputs)[:200]}")
+    return [Requested(o["name"], bool(_params(o.get("parameters"), f"output {o['name']!r}").get("binary_data")))
+            for o in outputs]
+
+
+def _timeout(us: Any) -> float | None:
+    """The `timeout` parameter, in microseconds as tritonclient sends it; 0 or absent: none."""
+    if us is None or us == 0:
+        return None
+    if isinstance(us, bool) or not isinstance(us, int | float) or us < 0:
+        raise BadRequest(f"parameters.timeout must be microseconds >= 0, got {us!r}")
+    return float(us) / 1e6
+
+
+def encode_response(resp: InferResponse) -> tuple[bytes, int | None]:
+    """The response once: JSON `data` for outputs asked as JSON, raw bytes after the JSON header
+    (binary tensor extension) for the others; the header's length when there are any."""
+    outs, blobs = [], []
+    for o in resp.outputs:
+        tensor: dict[str, Any] = {"name": o.name, "datatype": o.datatype, "shape": o.shape}
+        if o.binary:
+            raw = tensors.to_bytes(o.array)
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            tensor["data"] = tensors.to_list(o.array)
+        outs.append(tensor)
+    head = orjson.dumps({"model_name": resp.model, "model_version": resp.version, "id": resp.id, "outputs": outs},
+                        option=_OPTS, default=_tolist)
+    if not blobs:
+        return head, None
+    return b"".join((head, *blobs)), len(head)
+
+
+def _tolist(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} does not go into JSON")

@@ -1,0 +1,116 @@
+"""Both transports on one event loop (uvloop), and the process's life: start, signals, drain.
+
+    main thread, one uvloop event loop
+      uvicorn (httptools) on the HTTP socket  --+
+      grpc.aio server on the gRPC port        --+--> Frontend --> Engine.infer_async (per model)
+      SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
+
+    drain: ready answers 503 / false and new inferences 503 / UNAVAILABLE at once; what was
+    accepted finishes (up to --drain-timeout); then both servers stop, the engines close, and
+    the process exits 0 (1 if the drain timeout cut requests short).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+
+from slabpool.engine.serve.core import Frontend
+from slabpool.engine.serve.grpc import GrpcService
+from slabpool.engine.serve.http import HttpApp
+
+log = logging.getLogger("slabpool.serve")
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.max_send_message_length", 2**31 - 1),
+]
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    drain_timeout: float = 30.0
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """The server's own signal handlers stay: SIGTERM drains, SIGHUP reloads."""
+        yield
+
+
+async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -> bool:
+    """Serve until SIGTERM/SIGINT, then drain; True when every accepted request was answered."""
+    loop = asyncio.get_running_loop()
+    sock = socket.create_server((listen.host, listen.http_port), backlog=2048)
+    http = _Uvicorn(uvicorn.Config(HttpApp(fe), lifespan="off", log_level="warning", access_log=False,
+                                   http="httptools", ws="none", timeout_graceful_shutdown=5))
+    rpc = grpc.aio.server(options=GRPC_OPTIONS)
+    rpc.add_generic_rpc_handlers((GrpcService(fe).handler(),))
+    try:
+        grpc_port = rpc.add_insecure_port(f"{listen.host}:{listen.grpc_port}")
+    except RuntimeError as exc:
+        sock.close()
+        raise OSError(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port}: {exc}") from None
+    await rpc.start()
+    http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_all(fe)))
+    http_port = sock.getsockname()[1]
+    announce(f"slabpool serve: HTTP on http://{listen.host}:{http_port}, gRPC on {listen.host}:{grpc_port}; "
+             f"models: {', '.join(fe.repo)}")
+    try:
+        await asyncio.wait((asyncio.ensure_future(stop.wait()), http_task), return_when=asyncio.FIRST_COMPLETED)
+        fe.draining = True
+        log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
+        drained = await fe.wait_idle(listen.drain_timeout)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        http.should_exit = True
+        await rpc.stop(grace=1.0)
+        await http_task
+    return drained
+
+
+async def _reload_all(fe: Frontend) -> None:
+    for name, served in fe.repo.items():
+        try:
+            version = await served.reload()
+        except Exception as exc:
+            log.error("slabpool serve: SIGHUP reload of %r failed, the old model keeps serving: %s", name, exc)
+        else:
+            log.warning("slabpool serve: %r reloaded from %s, version %s", name, served.path, version)
+
+
+def run(fe: Frontend, listen: Listen) -> int:
+    """Serve on a fresh uvloop event loop; close the engines; the exit status."""
+    import uvloop
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        drained = uvloop.run(serve(fe, listen, announce))
+    finally:
+        fe.repo.close(timeout=5.0)
+    if not drained:
+        print(f"slabpool serve: the drain timeout ({listen.drain_timeout} s) passed with requests in flight; "
+              "they were cancelled", file=sys.stderr)
+    return 0 if drained else 1

@@ -1,0 +1,161 @@
+"""Tensors on the wire <-> numpy, once each way, for both transports.
+
+    request tensor                         numpy (what Engine.infer_async takes)
+    JSON "data" (flat, row-major)  ---->   np.asarray(data, dtype).reshape(shape)
+    binary extension / raw bytes   ---->   np.frombuffer(buf, '<dtype').reshape(shape)   (a view, no copy)
+    BYTES (JSON strings / 4-byte          a flat list of `bytes`, row-major (a preprocess takes it:
+      little-endian length prefixes)       the engine carries no string tensors)
+
+    outputs: arrays -> (datatype, shape, raw little-endian bytes | flat JSON list)
+
+A tensor whose data does not fill its shape, or a datatype the protocol does not name, is a
+`BadRequest` naming the tensor, what was expected and what was got.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from slabpool.engine.serve.errors import BadRequest
+
+# the protocol's datatype names (BF16 has no numpy dtype; it is refused by name)
+DATATYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+}  # fmt: skip
+_NAMES = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items()}
+BYTES = "BYTES"
+
+
+def datatype_of(dtype: str | np.dtype[Any]) -> str:
+    """The protocol's name for a numpy dtype (a TensorSpec's dtype string, an array's dtype)."""
+    dt = np.dtype(dtype)
+    if dt.kind in "OSU":
+        return BYTES
+    name = _NAMES.get((dt.kind, dt.itemsize))
+    if name is None:
+        raise TypeError(f"dtype {dt} has no Open Inference Protocol datatype")
+    return name
+
+
+def wire_shape(shape: Sequence[int | None]) -> list[int]:
+    """A model's shape for metadata: -1 marks a dynamic dim."""
+    return [-1 if d is None else int(d) for d in shape]
+
+
+def _dtype(name: str, datatype: str) -> np.dtype[Any]:
+    dt = DATATYPES.get(datatype)
+    if dt is None:
+        known = ", ".join([*DATATYPES, BYTES])
+        raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported; expected one of {known}")
+    return dt
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list | tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    return tuple(shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def from_buffer(name: str, datatype: str, shape: tuple[int, ...], buf: bytes | memoryview) -> Any:
+    """Raw little-endian contents (binary extension, gRPC raw_input_contents): a read-only view."""
+    if datatype == BYTES:
+        return _split_bytes(name, shape, buf)
+    dt = _dtype(name, datatype)
+    want = _count(shape) * dt.itemsize
+    if len(buf) != want:
+        raise BadRequest(f"input {name!r}: shape {list(shape)} of {datatype} takes {want} bytes, got {len(buf)}")
+    return np.frombuffer(buf, dt).reshape(shape)
+
+
+def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Any:
+    """JSON `data` (flat row-major, or nested) or gRPC typed contents, as an array of the datatype."""
+    if datatype == BYTES:
+        items = [v.encode() if isinstance(v, str) else v for v in _flat(data)]
+        if not all(isinstance(v, bytes) for v in items) or len(items) != _count(shape):
+            raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {_count(shape)} strings, "
+                             f"got {len(items)} items")
+        return items
+    dt = _dtype(name, datatype)
+    try:
+        arr = np.asarray(data, dtype=dt)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"input {name!r}: data does not read as {datatype}: {exc}") from None
+    if arr.size != _count(shape):
+        raise BadRequest(f"input {name!r}: shape {list(shape)} holds {_count(shape)} elements, got {arr.size}")
+    return arr.reshape(shape)
+
+
+def _flat(data: Any) -> list[Any]:
+    if not isinstance(data, list | tuple):
+        return [data]
+    if all(not isinstance(v, list | tuple) for v in data):
+        return list(data)
+    return [x for v in data for x in _flat(v)]
+
+
+def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> list[bytes]:
+    """BYTES in the binary format: each element a 4-byte little-endian length, then its bytes."""
+    view, out, pos = memoryview(buf), [], 0
+    while pos < len(view):
+        if pos + 4 > len(view):
+            raise BadRequest(f"input {name!r}: BYTES element {len(out)} is cut off in its length prefix")
+        (n,) = struct.unpack_from("<I", view, pos)
+        if pos + 4 + n > len(view):
+            raise BadRequest(f"input {name!r}: BYTES element {len(out)} says {n} bytes, "
+                             f"{len(view) - pos - 4} are left")
+        out.append(bytes(view[pos + 4 : pos + 4 + n]))
+        pos += 4 + n
+    if len(out) != _count(shape):
+        raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {_count(shape)} elements, got {len(out)}")
+    return out
+
+
+# -- outputs --------------------------------------------------------------------------------------
+
+
+def as_output(name: str, value: Any) -> np.ndarray[Any, Any]:
+    """An output value as a C-contiguous little-endian array (strings as an object array)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "OSU":
+        return arr
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    try:
+        datatype_of(arr.dtype)
+    except TypeError:
+        raise TypeError(f"output {name!r} has dtype {arr.dtype}, which the protocol cannot carry") from None
+    return np.ascontiguousarray(arr)
+
+
+def to_bytes(arr: np.ndarray[Any, Any]) -> bytes:
+    """Raw little-endian contents; BYTES elements length-prefixed."""
+    if arr.dtype.kind not in "OSU":
+        return arr.tobytes()
+    parts = []
+    for v in arr.reshape(-1):
+        b = v.encode() if isinstance(v, str) else bytes(v)
+        parts.append(struct.pack("<I", len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def to_list(arr: np.ndarray[Any, Any]) -> Any:
+    """JSON `data`: the array flat (orjson writes numeric arrays natively); BYTES as strings."""
+    flat = arr.reshape(-1)
+    if arr.dtype.kind not in "OSU":
+        return flat
+    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in flat]

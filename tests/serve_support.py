@@ -1,0 +1,133 @@
+"""A real `slabpool serve` process for the tests, and the leak check around it.
+
+`Server` starts `python -m slabpool serve ... --http-port 0 --grpc-port 0` and reads the ports
+it announces. A module-scoped server outlives each test, so the test modules replace
+conftest's `nothing_left_behind` with `check_nothing_left`, which allows exactly the module
+server's process tree and its two listening ports, and nothing else: no other child process,
+no other listening socket, no slabpool shared memory in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import our_children, slabpool_shm
+
+ROOT = Path(__file__).resolve().parent.parent
+ANNOUNCE = re.compile(r"HTTP on http://([\d.]+):(\d+), gRPC on [\d.]+:(\d+)")
+
+
+class Server:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 120) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="slabpool-serve-test-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slabpool", "serve", *args, "--http-port", "0", "--grpc-port", "0"],
+            stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, env={**os.environ, **(env or {})}, text=True)
+        line = self._announced(start_timeout)
+        m = ANNOUNCE.search(line)
+        assert m, f"no announcement from the server: {line!r}\n{self.stderr()}"
+        self.host, self.http_port, self.grpc_port = m.group(1), int(m.group(2)), int(m.group(3))
+        self.url = f"http://{self.host}:{self.http_port}"
+        self.grpc_url = f"{self.host}:{self.grpc_port}"
+
+    def _announced(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)  # only a deadlock reaches it
+        return self.proc.stdout.readline() if ready else ""
+
+    def stderr(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def tree(self) -> set[int]:
+        """The server's pid and its descendants now (workers are rebuilt with new pids)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            return {root.pid, *(p.pid for p in root.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return set()
+
+    def worker_pids(self) -> list[int]:
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "forkserver" not in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline()):
+                    out.append(p.pid)
+            except psutil.Error:
+                pass
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal it and wait for its exit status; it must leave no process behind."""
+        tree = self.tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:  # a deadlock: kill it all, and fail
+            for pid in tree:
+                _kill(pid)
+            raise
+        finally:
+            assert self.proc.stdout is not None
+            self.proc.stdout.close()
+            self.log.close()
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and _alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in tree if psutil.pid_exists(p) and _alive(p)]
+        assert not left, f"the server left processes behind: {left}"
+        os.unlink(self.log.name)
+        return rc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def listening(pids: set[int]) -> list[tuple[int, int]]:
+    """(pid, port) of every TCP socket in LISTEN held by one of `pids`."""
+    out = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in pids:
+            out.append((c.pid, c.laddr.port))
+    return out
+
+
+def check_nothing_left(allowed: list[Server]) -> None:
+    """After a test: no child process but the allowed servers' trees, no listening socket but
+    theirs, no slabpool shared memory here (only a leak waits for the deadline)."""
+    def leaks() -> tuple[list[psutil.Process], list[tuple[int, int]]]:
+        keep = set().union(*(s.tree() for s in allowed)) if allowed else set()
+        kids = [p for p in our_children() if p.pid not in keep]
+        ports = listening({os.getpid(), *(p.pid for p in kids)})
+        return kids, ports
+
+    deadline = time.monotonic() + 10
+    while (any(leaks()) or slabpool_shm()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kids, ports = leaks()
+    for p in kids:
+        p.kill()
+    assert not kids, f"child processes left behind: {[(p.pid, p.cmdline()) for p in kids]}"
+    assert not ports, f"sockets left listening: {ports}"
+    assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"

@@ -1,0 +1,288 @@
+"""`slabpool serve` speaks the Open Inference Protocol: the real tritonclient.http and
+tritonclient.grpc clients, unmodified, and raw HTTP requests (httpx) read health and metadata
+and run inference with JSON and binary tensors; outputs are byte-identical to an in-process
+onnxruntime session; errors are the protocol's, with the status each case calls for.
+
+One server process for the module (three models, two workers each); the leak check allows its
+process tree and its two listening ports, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
+
+from tests.reference import ort_run
+from tests.serve_support import Server, check_nothing_left
+
+pytestmark = pytest.mark.timeout(120)
+_servers: list[Server] = []
+
+
+@pytest.fixture(scope="module")
+def server(models: SimpleNamespace):
+    srv = Server(f"mlp={models.mlp}", f"multi_io={models.multi_io}", f"ints={models.int_model}", "--workers", "2")
+    _servers.append(srv)
+    yield srv
+    _servers.remove(srv)
+    assert srv.stop() == 0, srv.stderr()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():  # overrides conftest's: the module's server stays up between tests
+    yield
+    check_nothing_left(_servers)
+
+
+def _feeds(model: str, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if model == "mlp":
+        return {"x": rng.standard_normal((rows, 16)).astype(np.float32)}
+    if model == "multi_io":
+        return {"feats": rng.standard_normal((rows, 4)).astype(np.float32), "ids": rng.integers(-5, 5, rows)}
+    return {"x": rng.integers(-1000, 1000, (rows, 4)).astype(np.int32)}
+
+
+def _path(models: SimpleNamespace, name: str):
+    return {"mlp": models.mlp, "multi_io": models.multi_io, "ints": models.int_model}[name]
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+# -- health and metadata ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", ["http", "grpc"])
+def test_health_and_metadata_through_tritonclient(server, client):
+    c = thttp.InferenceServerClient(server.url[7:]) if client == "http" else tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        assert c.is_server_live() and c.is_server_ready()
+        assert c.is_model_ready("mlp") and c.is_model_ready("multi_io")
+        meta = c.get_server_metadata(as_json=True) if client == "grpc" else c.get_server_metadata()
+        assert meta["name"] == "slabpool" and "binary_tensor_data" in meta["extensions"]
+        mm = c.get_model_metadata("multi_io", as_json=True) if client == "grpc" else c.get_model_metadata("multi_io")
+        inputs = {t["name"]: (t["datatype"], [int(d) for d in t["shape"]]) for t in mm["inputs"]}
+        outputs = {t["name"]: (t["datatype"], [int(d) for d in t["shape"]]) for t in mm["outputs"]}
+        assert inputs == {"feats": ("FP32", [-1, 4]), "ids": ("INT64", [-1])}
+        assert outputs == {"sum": ("FP32", [-1]), "total": ("FP32", [1])}
+        assert len(mm["versions"]) == 1
+        with pytest.raises(InferenceServerException) as err:
+            c.get_model_metadata("nope")
+        assert "nope" in err.value.message()
+    finally:
+        c.close()
+
+
+def test_health_over_raw_http(server):
+    with httpx.Client(base_url=server.url) as h:
+        assert h.get("/v2/health/live").json() == {"live": True}
+        r = h.get("/v2/health/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True}
+        assert h.get("/v2/models/mlp/ready").json() == {"name": "mlp", "ready": True}
+        assert h.get("/v2/models/nope/ready").status_code == 404
+        version = h.get("/v2/models/mlp").json()["versions"][0]
+        assert h.get(f"/v2/models/mlp/versions/{version}/ready").status_code == 200
+        r = h.get("/v2/models/mlp/versions/other")
+        assert r.status_code == 404 and "version" in r.json()["error"]
+        index = h.post("/v2/repository/index").json()
+        assert {m["name"] for m in index} == {"mlp", "multi_io", "ints"}
+
+
+# -- inference: byte-identical to onnxruntime ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["mlp", "multi_io", "ints"])
+@pytest.mark.parametrize("how", ["http-binary", "http-json", "grpc"])
+def test_tritonclient_outputs_are_byte_identical_to_onnxruntime(server, models, model, how):
+    feeds = _feeds(model, rows=5, seed=hash(how) % 100)
+    want = ort_run(_path(models, model), feeds)
+    dtypes = {"float32": "FP32", "int64": "INT64", "int32": "INT32"}
+    if how == "grpc":
+        mod, c = tgrpc, tgrpc.InferenceServerClient(server.grpc_url)
+    else:
+        mod, c = thttp, thttp.InferenceServerClient(server.url[7:])
+    try:
+        inputs = []
+        for name, arr in feeds.items():
+            i = mod.InferInput(name, list(arr.shape), dtypes[arr.dtype.name])
+            if how == "http-json":
+                i.set_data_from_numpy(arr, binary_data=False)
+            else:
+                i.set_data_from_numpy(arr)
+            inputs.append(i)
+        outputs = None
+        if how == "http-json":
+            outputs = [thttp.InferRequestedOutput(n, binary_data=False) for n in want]
+        res = c.infer(model, inputs, outputs=outputs, request_id=f"req-{how}")
+        for name, w in want.items():
+            got = res.as_numpy(name)
+            if how == "http-json" and w.dtype.kind == "f":  # JSON carries the shortest repr of each float32
+                assert got.astype(w.dtype).tobytes() == w.tobytes()
+            else:
+                _same(got, w)
+        rid = res.get_response().id if how == "grpc" else res.get_response()["id"]
+        assert rid == f"req-{how}"
+    finally:
+        c.close()
+
+
+def test_raw_json_request_selects_outputs_and_echoes_the_id(server, models):
+    x = _feeds("mlp", 3)["x"]
+    want = ort_run(models.mlp, {"x": x})
+    body = {"id": "abc-1", "inputs": [{"name": "x", "shape": [3, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [{"name": "logits"}], "parameters": {"custom": 1}}
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "abc-1" and out["model_name"] == "mlp" and out["model_version"]
+    assert [o["name"] for o in out["outputs"]] == ["logits"]
+    o = out["outputs"][0]
+    assert o["datatype"] == "FP32" and o["shape"] == [3, 8]
+    _same(np.asarray(o["data"], np.float32).reshape(3, 8), want["logits"])
+
+
+@pytest.mark.parametrize("binary_out", ["binary_data_output", "per-output", "json"])
+def test_raw_binary_extension_request(server, models, binary_out):
+    """The JSON header, then the raw little-endian tensors; the answer split the same way."""
+    feeds = _feeds("multi_io", 4)
+    want = ort_run(models.multi_io, feeds)
+    inputs = [{"name": n, "shape": list(a.shape), "datatype": {"float32": "FP32", "int64": "INT64"}[a.dtype.name],
+               "parameters": {"binary_data_size": a.nbytes}} for n, a in feeds.items()]
+    head: dict = {"inputs": inputs}
+    if binary_out == "binary_data_output":
+        head["parameters"] = {"binary_data_output": True}
+    elif binary_out == "per-output":
+        head["outputs"] = [{"name": "total", "parameters": {"binary_data": True}}, {"name": "sum"}]
+    header = json.dumps(head).encode()
+    body = header + b"".join(a.tobytes() for a in feeds.values())
+    r = httpx.post(f"{server.url}/v2/models/multi_io/infer", content=body,
+                   headers={"Inference-Header-Content-Length": str(len(header))})
+    assert r.status_code == 200, r.text
+    n = r.headers.get("inference-header-content-length")
+    if binary_out == "json":
+        assert n is None
+        for o in r.json()["outputs"]:
+            assert np.asarray(o["data"], np.float32).tobytes() == want[o["name"]].tobytes()
+        return
+    meta = json.loads(r.content[: int(n)])
+    pos = int(n)
+    for o in meta["outputs"]:
+        if "parameters" in o:
+            size = o["parameters"]["binary_data_size"]
+            got = np.frombuffer(r.content[pos : pos + size], np.float32).reshape(o["shape"])
+            pos += size
+        else:
+            got = np.asarray(o["data"], np.float32).reshape(o["shape"])
+        _same(got, want[o["name"]])
+    assert pos == len(r.content)
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+X = {"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}
+ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message must hold)
+    "dtype": ("mlp", {"inputs": [{**X, "datatype": "FP64"}]}, 400, ["'x'", "float32", "float64"]),
+    "static dim": ("mlp", {"inputs": [{**X, "shape": [1, 15], "data": [0.5] * 15}]}, 400, ["'x'", "16", "15"]),
+    "missing input": ("multi_io", {"inputs": [{**X, "name": "feats", "shape": [4, 4]}]}, 400, ["ids"]),
+    "data count": ("mlp", {"inputs": [{**X, "data": [0.5] * 15}]}, 400, ["'x'", "16", "15"]),
+    "datatype name": ("mlp", {"inputs": [{**X, "datatype": "FLOAT"}]}, 400, ["'x'", "FLOAT", "FP32"]),
+    "shape": ("mlp", {"inputs": [{**X, "shape": "1x16"}]}, 400, ["'x'", "shape"]),
+    "no inputs": ("mlp", {"inputs": []}, 400, ["inputs"]),
+    "not json": ("mlp", b"{nope", 400, ["JSON"]),
+    "unknown output": ("mlp", {"inputs": [X], "outputs": [{"name": "zz"}]}, 400, ["'zz'", "probs"]),
+    "bad timeout": ("mlp", {"inputs": [X], "parameters": {"timeout": "soon"}}, 400, ["timeout"]),
+    "unknown model": ("nope", {"inputs": [X]}, 404, ["'nope'", "mlp"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors_are_the_protocols_error_object(server, case):
+    model, body, status, words = ERRORS[case]
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", **kw)
+    assert r.status_code == status, r.text
+    msg = r.json()["error"]
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("case", ["short", "long"])
+def test_binary_sizes_that_do_not_add_up_are_400(server, case):
+    x = np.zeros((1, 16), np.float32)
+    size = x.nbytes + (8 if case == "short" else 0)
+    header = json.dumps({"inputs": [{**X, "parameters": {"binary_data_size": size}, "data": None}]}).encode()
+    body = header + x.tobytes() + (b"\0" * 4 if case == "long" else b"")
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", content=body,
+                   headers={"Inference-Header-Content-Length": str(len(header))})
+    assert r.status_code == 400
+    assert "binary" in r.json()["error"]
+
+
+def test_grpc_errors_carry_the_status_code(server):
+    c = tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        i = tgrpc.InferInput("x", [1, 16], "FP64")
+        i.set_data_from_numpy(np.zeros((1, 16), np.float64))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("mlp", [i])
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "float32" in err.value.message() and "'x'" in err.value.message()
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("nope", [i])
+        assert err.value.status() == "StatusCode.NOT_FOUND"
+        with pytest.raises(InferenceServerException) as err:
+            c.is_model_ready("nope")
+        assert err.value.status() == "StatusCode.NOT_FOUND"
+    finally:
+        c.close()
+
+
+def test_grpc_typed_contents_are_read_too(server, models):
+    """A request with `contents` (not raw_input_contents), built from the protocol's messages."""
+    import grpc
+
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    x = _feeds("ints", 2)["x"]
+    req = pb.ModelInferRequest(model_name="ints", id="typed")
+    t = req.inputs.add(name="x", datatype="INT32", shape=list(x.shape))
+    t.contents.int_contents.extend(x.ravel().tolist())
+    with grpc.insecure_channel(server.grpc_url) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                              request_serializer=pb.ModelInferRequest.SerializeToString,
+                              response_deserializer=pb.ModelInferResponse.FromString)
+        resp = call(req, timeout=30)
+    assert resp.id == "typed" and [o.name for o in resp.outputs] == ["y"]
+    _same(np.frombuffer(resp.raw_output_contents[0], np.int32).reshape(2, 4), ort_run(models.int_model, {"x": x})["y"])
+
+
+def test_metrics_count_requests_by_model_transport_and_code(server):
+    with httpx.Client(base_url=server.url) as h:
+        h.post("/v2/models/mlp/infer", json={"inputs": [X]})
+        h.post("/v2/models/mlp/infer", json={"inputs": [{**X, "datatype": "FP64"}]})
+        text = h.get("/metrics").text
+    assert 'slabpool_serve_requests_total{code="200",model="mlp",transport="http"}' in text
+    assert 'slabpool_serve_requests_total{code="400",model="mlp",transport="http"}' in text
+    assert 'slabpool_serve_request_seconds_bucket{le="0.001",model="mlp",transport="http"}' in text
+    assert 'slabpool_worker_restarts_total{model="mlp",slot="0"}' in text
+    assert 'slabpool_tasks_completed_total{model="multi_io"}' in text
+
+
+def test_bytes_length_prefix_codec_round_trips():
+    from slabpool.engine.serve import tensors
+
+    items = [b"", b"a", "h\u00e9".encode(), b"\x00" * 300]
+    raw = tensors.to_bytes(np.array(items, dtype=object))
+    assert raw[:4] == struct.pack("<I", 0)
+    assert tensors.from_buffer("s", "BYTES", (2, 2), raw) == items
