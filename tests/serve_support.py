@@ -67,9 +67,10 @@ class Server:
         return out
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        """Signal it and wait for its exit status; it must leave no process behind."""
+        """Signal it (sig=0: it was signalled already) and wait for its exit status; it must
+        leave no process behind."""
         tree = self.tree()
-        if self.proc.poll() is None:
+        if sig and self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             rc = self.proc.wait(timeout)

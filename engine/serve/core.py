@@ -127,7 +127,7 @@ class Frontend:
             raise from_engine(exc) from None
         except (asyncio.CancelledError, ServeError):
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer (500), not the server's
             raise from_engine(exc) from None
 
     async def wait_idle(self, timeout: float) -> bool:

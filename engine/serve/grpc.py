@@ -18,7 +18,9 @@ import grpc
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested
 from slabpool.engine.serve.errors import BadRequest, ServeError, Status
-from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+from slabpool.engine.serve.proto import grpc_predict_v2_pb2
+
+pb: Any = grpc_predict_v2_pb2  # protoc builds its classes at import: no names for mypy to see
 
 SERVICE = "inference.GRPCInferenceService"
 
@@ -109,7 +111,8 @@ def decode_request(request: Any, remaining: float | None) -> InferRequest:
         else:
             field = _CONTENTS.get(t.datatype)
             if field is None:
-                tensors.from_list(t.name, t.datatype, shape, [])  # raises: the datatype is unknown
+                raise BadRequest(f"input {t.name!r}: datatype {t.datatype!r} has no typed contents field; "
+                                 f"expected one of {sorted(_CONTENTS)} (or send raw_input_contents)")
             feeds[t.name] = tensors.from_list(t.name, t.datatype, shape, getattr(t.contents, field))
     if not feeds:
         raise BadRequest("the request needs inputs")

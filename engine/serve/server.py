@@ -93,7 +93,7 @@ async def _reload_all(fe: Frontend) -> None:
     for name, served in fe.repo.items():
         try:
             version = await served.reload()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed reload leaves the old model serving
             log.error("slabpool serve: SIGHUP reload of %r failed, the old model keeps serving: %s", name, exc)
         else:
             log.warning("slabpool serve: %r reloaded from %s, version %s", name, served.path, version)

@@ -109,7 +109,8 @@ def _flat(data: Any) -> list[Any]:
 
 def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> list[bytes]:
     """BYTES in the binary format: each element a 4-byte little-endian length, then its bytes."""
-    view, out, pos = memoryview(buf), [], 0
+    view, pos = memoryview(buf), 0
+    out: list[bytes] = []
     while pos < len(view):
         if pos + 4 > len(view):
             raise BadRequest(f"input {name!r}: BYTES element {len(out)} is cut off in its length prefix")

@@ -1,4 +1,4 @@
-"""Regenerate grpc_predict_v2_pb2.py(.pyi) from grpc_predict_v2.proto (needs grpcio-tools, in the dev extra):
+"""Regenerate grpc_predict_v2_pb2.py from grpc_predict_v2.proto (needs grpcio-tools, in the dev extra):
 
     python -m slabpool.engine.serve.proto.generate
 
@@ -33,7 +33,7 @@ POOL_LINE = "_POOL = _descriptor_pool.DescriptorPool()  # private: tritonclient 
 def generate(out: Path) -> list[Path]:
     """Run protoc (grpcio-tools) on the vendored .proto into `out`; the files written."""
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{HERE}", f"--python_out={out}", f"--pyi_out={out}",
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{HERE}", f"--python_out={out}",
          str(HERE / PROTO)],
         check=True,
     )
@@ -42,7 +42,7 @@ def generate(out: Path) -> list[Path]:
     if DEFAULT_POOL not in text or SYM_DB not in text:
         raise RuntimeError(f"protoc's output changed shape; update {__file__}")
     py.write_text(text.replace(SYM_DB, POOL_LINE).replace(DEFAULT_POOL, PRIVATE_POOL))
-    return [py, out / "grpc_predict_v2_pb2.pyi"]
+    return [py]
 
 
 def main() -> int:

@@ -1,0 +1,307 @@
+"""`slabpool serve` under faults: a worker SIGKILLed or segfaulting while it holds a request
+(the request is replayed and answered correctly; /metrics counts the restart), a poison
+request (500 alone), readiness while every slot is down, timeouts (504), a full queue (503),
+a client that disconnects (its queued request is cancelled), SIGTERM's drain and reloads.
+
+Every fault is carried by the request itself (tests/serve_hooks.py): a BYTES input "fault"
+names it, so it strikes that request at that stage, never at a time. Waits poll for a state
+the server reports; their deadlines only catch deadlocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
+
+from tests.models import onnx_models
+from tests.reference import ort_run
+from tests.serve_hooks import GATE_ENV
+from tests.serve_support import Server, check_nothing_left
+
+pytestmark = pytest.mark.timeout(180)
+HOOKS = ["--preprocess", "tests.serve_hooks:marked", "--initializer", "tests.serve_hooks:gate"]
+_servers: list[Server] = []
+
+
+@pytest.fixture(scope="module")
+def gate_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gate") / "gate"
+
+
+@pytest.fixture(scope="module")
+def server(models: SimpleNamespace, gate_file: Path):
+    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--max-attempts", "2", "--queue-capacity", "6", *HOOKS,
+                 env={GATE_ENV: str(gate_file)})
+    _servers.append(srv)
+    yield srv
+    _servers.remove(srv)
+    assert srv.stop() == 0, srv.stderr()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():  # overrides conftest's: the module's server stays up between tests
+    yield
+    check_nothing_left(_servers)
+
+
+def _x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 16)).astype(np.float32)
+
+
+def _body(x: np.ndarray, fault: str | None = None, timeout_us: int | None = None) -> dict[str, Any]:
+    inputs = [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]
+    if fault is not None:
+        inputs.append({"name": "fault", "shape": [1], "datatype": "BYTES", "data": [fault]})
+    body: dict[str, Any] = {"inputs": inputs, "outputs": [{"name": "probs", "parameters": {"binary_data": True}}]}
+    if timeout_us is not None:
+        body["parameters"] = {"timeout": timeout_us}
+    return body
+
+
+def post(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) -> tuple[int, Any]:
+    """(status, probs or the error message) for one raw HTTP request."""
+    head = json.dumps(_body(x, fault, kw.pop("timeout_us", None))).encode()
+    r = httpx.post(f"{srv.url}/v2/models/mlp/infer", content=head, timeout=kw.pop("timeout", 120),
+                   headers={"Inference-Header-Content-Length": str(len(head))})
+    if r.status_code != 200:
+        return r.status_code, r.json()["error"]
+    n = int(r.headers["inference-header-content-length"])
+    return 200, np.frombuffer(r.content[n:], np.float32).reshape(x.shape[0], 8)
+
+
+def grpc_infer(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) -> tuple[str, Any]:
+    c = tgrpc.InferenceServerClient(srv.grpc_url)
+    try:
+        inputs = [tgrpc.InferInput("x", list(x.shape), "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        if fault is not None:
+            inputs.append(tgrpc.InferInput("fault", [1], "BYTES"))
+            inputs[1].set_data_from_numpy(np.array([fault.encode()], dtype=object))
+        try:
+            return "OK", c.infer("mlp", inputs, **kw).as_numpy("probs")
+        except InferenceServerException as exc:
+            return str(exc.status()).removeprefix("StatusCode."), exc.message()
+    finally:
+        c.close()
+
+
+def metric(srv: Server, name: str) -> float:
+    """The sum of a family's samples for model mlp, from /metrics."""
+    text = httpx.get(f"{srv.url}/metrics").text
+    total = 0.0
+    for m in re.finditer(rf'^{name}\{{([^}}]*)\}} (\S+)$', text, re.M):
+        if 'model="mlp"' in m.group(1):
+            total += float(m.group(2))
+    return total
+
+
+def wait_for(cond: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout  # only a deadlock reaches it
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _ref(models: SimpleNamespace, x: np.ndarray) -> np.ndarray:
+    return ort_run(models.mlp, {"x": x})["probs"]
+
+
+# -- crashes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("fault", ["kill-once", "segv-once"])
+def test_a_worker_that_dies_holding_a_request_replays_it(server, models, tmp_path, transport, fault):
+    restarts = metric(server, "slabpool_worker_restarts_total")
+    send = post if transport == "http" else grpc_infer
+    ok = 200 if transport == "http" else "OK"
+    xs = [_x(i) for i in range(5)]
+    with ThreadPoolExecutor(5) as pool:
+        futs = [pool.submit(send, server, xs[0], f"{fault}:{tmp_path / 'once'}")]
+        futs += [pool.submit(send, server, x) for x in xs[1:]]
+        results = [f.result() for f in futs]
+    assert (tmp_path / "once").exists()  # the worker did die on it
+    for x, (status, probs) in zip(xs, results, strict=True):
+        assert status == ok, probs
+        assert probs.tobytes() == _ref(models, x).tobytes()
+    assert metric(server, "slabpool_worker_restarts_total") == restarts + 1
+    assert metric(server, "slabpool_tasks_replayed_total") >= 1
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_poison_request_fails_alone_with_its_exit_signals(server, models, transport):
+    send = post if transport == "http" else grpc_infer
+    xs = [_x(10 + i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        poison = pool.submit(send, server, xs[0], "kill")
+        others = [pool.submit(send, server, x) for x in xs[1:]]
+        status, msg = poison.result()
+        assert status == (500 if transport == "http" else "INTERNAL")
+        assert "poison" in msg and msg.count("SIGKILL") >= 2
+        for x, f in zip(xs[1:], others, strict=True):
+            st, probs = f.result()
+            assert st in (200, "OK"), probs
+            assert probs.tobytes() == _ref(models, x).tobytes()
+
+
+def test_ready_is_false_while_every_slot_is_down_and_true_after_the_rebuild(server, models, tmp_path, gate_file):
+    """The only worker dies; its replacement waits at start (the gate): the model and the
+    server report not ready (HTTP 503 and gRPC false) while live stays true; once it starts,
+    the held request is answered and ready is true again."""
+    x = _x(20)
+    h = httpx.Client(base_url=server.url)
+    g = tgrpc.InferenceServerClient(server.grpc_url)
+    gate_file.touch()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, server, x, f"kill-once:{tmp_path / 'once'}")
+            wait_for(lambda: h.get("/v2/models/mlp/ready").status_code == 503, "model ready to turn false")
+            assert h.get("/v2/health/ready").status_code == 503
+            assert h.get("/v2/health/live").status_code == 200
+            assert not g.is_model_ready("mlp") and not g.is_server_ready() and g.is_server_live()
+            gate_file.unlink()
+            status, probs = fut.result()
+        assert status == 200 and probs.tobytes() == _ref(models, x).tobytes()
+        wait_for(lambda: h.get("/v2/health/ready").status_code == 200, "ready again")
+        assert g.is_model_ready("mlp")
+    finally:
+        gate_file.unlink(missing_ok=True)
+        h.close()
+        g.close()
+
+
+# -- admission and time --------------------------------------------------------------------------------
+
+
+def test_a_request_past_its_timeout_is_504(server, tmp_path):
+    release = tmp_path / "release"
+    c = thttp.InferenceServerClient(server.url[7:])
+    try:
+        i = thttp.InferInput("x", [2, 16], "FP32")
+        i.set_data_from_numpy(_x(30))
+        f = thttp.InferInput("fault", [1], "BYTES")
+        f.set_data_from_numpy(np.array([f"hold:{release}".encode()], dtype=object))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("mlp", [i, f], timeout=200_000)  # tritonclient's timeout parameter: microseconds
+        assert err.value.status() == "504" and "timeout" in err.value.message()
+        status, _ = grpc_infer(server, _x(31), f"hold:{release}", client_timeout=0.3)
+        assert status == "DEADLINE_EXCEEDED"
+    finally:
+        release.touch()
+        c.close()
+    wait_for(lambda: metric(server, "slabpool_busy_slots") == 0, "the held worker to be free")
+
+
+def test_a_full_queue_answers_503_at_once(server, models, tmp_path):
+    release = tmp_path / "release"
+    xs = [_x(40 + i) for i in range(16)]
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            futs = [pool.submit(post, server, x, f"hold:{release}") for x in xs]
+            wait_for(lambda: any(f.done() for f in futs), "a rejection")  # the held ones cannot finish
+            early = [f.result() for f in futs if f.done()]
+            release.touch()
+            results = [f.result() for f in futs]
+    finally:
+        release.touch()
+    assert early and all(st == 503 and "queue is full" in msg for st, msg in early)
+    assert {st for st, _ in results} == {200, 503}
+    for x, (st, probs) in zip(xs, results, strict=True):
+        if st == 200:
+            assert probs.tobytes() == _ref(models, x).tobytes()
+
+
+def test_a_client_that_disconnects_cancels_its_queued_request(server, tmp_path):
+    release = tmp_path / "release"
+    cancelled = metric(server, "slabpool_tasks_cancelled_total")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, server, _x(50 + i), f"hold:{release}") for i in range(2)]
+            wait_for(lambda: metric(server, "slabpool_tasks_accepted_total") >= 2 and
+                     metric(server, "slabpool_queue_depth") == 0, "the worker to hold two requests")
+            with pytest.raises(httpx.ReadTimeout):  # gives up and closes its connection
+                post(server, _x(52), timeout=0.5)
+            wait_for(lambda: metric(server, "slabpool_tasks_cancelled_total") == cancelled + 1,
+                     "the abandoned request to be cancelled")
+            release.touch()
+            assert all(f.result()[0] == 200 for f in held)
+    finally:
+        release.touch()
+
+
+# -- operations: drain, reload, access log ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_drains_what_was_accepted_then_exits_0(models, tmp_path):
+    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--drain-timeout", "60", "--access-log", *HOOKS)
+    _servers.append(srv)
+    release = tmp_path / "release"
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, srv, _x(60 + i), f"hold:{release}") for i in range(2)]
+            wait_for(lambda: metric(srv, "slabpool_tasks_accepted_total") >= 2, "two accepted requests")
+            srv.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(f"{srv.url}/v2/health/ready").status_code == 503, "ready to turn false")
+            status, msg = post(srv, _x(62))
+            assert status == 503 and "draining" in msg
+            assert grpc_infer(srv, _x(63))[0] == "UNAVAILABLE"
+            release.touch()
+            for i, f in enumerate(held):
+                st, probs = f.result()
+                assert st == 200 and probs.tobytes() == _ref(models, _x(60 + i)).tobytes()
+        log = srv.stderr()
+        assert srv.stop(sig=0) == 0, log
+    finally:
+        release.touch()
+        _servers.remove(srv)
+    lines = [json.loads(ln) for ln in log.splitlines() if ln.startswith("{")]
+    codes = sorted(ln["code"] for ln in lines if ln["model"] == "mlp")
+    assert codes.count("200") == 2 and "503" in codes and "UNAVAILABLE" in codes
+    assert all({"ts", "transport", "model", "code", "ms", "id"} <= set(ln) for ln in lines)
+
+
+@pytest.mark.slow
+def test_reload_through_the_repository_extension_and_sighup(models, tmp_path):
+    v2 = onnx_models.mlp(tmp_path / "mlp_v2.onnx", seed=1)
+    srv = Server(f"mlp={models.mlp}", "--workers", "2")
+    _servers.append(srv)
+    try:
+        h = httpx.Client(base_url=srv.url, timeout=120)
+        x = _x(70)
+        body = {"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
+        old = h.get("/v2/models/mlp").json()["versions"][0]
+        r = h.post("/v2/repository/models/mlp/load", json={"parameters": {"path": str(v2)}})
+        assert r.status_code == 200, r.text
+        new = r.json()["version"]
+        assert new != old and h.get("/v2/models/mlp").json()["versions"] == [new]
+        out = h.post("/v2/models/mlp/infer", json=body).json()
+        assert out["model_version"] == new
+        probs = next(o for o in out["outputs"] if o["name"] == "probs")
+        assert np.asarray(probs["data"], np.float32).reshape(2, 8).tobytes() == ort_run(v2, {"x": x})["probs"].tobytes()
+        r = h.post("/v2/repository/models/mlp/load", json={"parameters": {"path": str(models.multi_io)}})
+        assert r.status_code == 400 and "old model keeps serving" in r.json()["error"]
+        assert h.post("/v2/repository/models/nope/load").status_code == 404
+        srv.proc.send_signal(signal.SIGHUP)  # reloads from its file, now v2: same version
+        wait_for(lambda: "reloaded" in srv.stderr(), "the SIGHUP reload")
+        assert h.get("/v2/models/mlp").json()["versions"] == [new]
+        assert h.get("/v2/health/ready").status_code == 200
+        h.close()
+        assert srv.stop() == 0, srv.stderr()
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop(signal.SIGKILL)
+        _servers.remove(srv)
