@@ -139,23 +139,28 @@ async def _reload(served: Any, path: str | None) -> str:
 
 
 async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
-    """Run `work`; a disconnect of the client meanwhile cancels it (and so its engine task)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(receive())
+    """Await `work` in this task while a watcher reads the connection: a disconnect of the
+    client cancels this task, and so the request's engine task (queued: it never runs)."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        if (await receive())["type"] == "http.disconnect":  # the body is read: only this can come
+            gone = True
+            me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():  # the client spoke or left before its answer: only a disconnect can come now
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED)
-        return task.result()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        me.uncancel()
+        raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED) from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
