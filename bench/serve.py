@@ -8,8 +8,10 @@ ProcessPoolExecutor, side by side in one run, on the same model and the same loa
     load       wrk (Debian's `wrk`), the same V2 JSON POST for all three, at each concurrency
                (1, 8, 64 connections): p50, p99 and requests/s, non-2xx and socket errors
     crash run  the same load at concurrency 8 while one worker process of the server is
-               SIGKILLed every second: requests failed (non-2xx), lost (wrk's read errors and
-               timeouts: a request that never got an answer), p99, and whether it still serves
+               SIGKILLed every second: requests failed (non-2xx), lost (wrk's socket errors:
+               read, write, timeout: a request whose connection closed or that had no answer in
+               5 s; a server that closes the connection after an error answer counts here too),
+               p99, and whether it still serves
     baseline   Engine.infer_async's own round trip at concurrency 1, in-process: the server's
                p50 minus it is what the HTTP front end adds
 

@@ -56,16 +56,6 @@ class Server:
         except psutil.NoSuchProcess:
             return set()
 
-    def worker_pids(self) -> list[int]:
-        out = []
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if "forkserver" not in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline()):
-                    out.append(p.pid)
-            except psutil.Error:
-                pass
-        return out
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         """Signal it (sig=0: it was signalled already) and wait for its exit status; it must
         leave no process behind."""

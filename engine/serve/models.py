@@ -33,7 +33,7 @@ class Served:
 
     @property
     def version(self) -> str:
-        return self.engine.describe().model_version
+        return self.engine.model_version  # the digest describe() reports, without building a description
 
     def ready(self) -> bool:
         st = self.engine.stats()

@@ -1,0 +1,40 @@
+"""`slabpool serve`'s arguments: model names, bad models, and a CLI that stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slabpool.engine.job.cli import main
+from slabpool.engine.serve.cli import model_specs
+
+
+def test_models_are_named_after_their_file_unless_named(models):
+    assert model_specs([str(models.mlp), f"other={models.mlp}"]) == [("mlp", str(models.mlp)), ("other", str(models.mlp))]
+
+
+@pytest.mark.parametrize("items,words", [
+    (["{mlp}", "{mlp}"], ["two models", "'mlp'"]),
+    (["=" + "{mlp}"], ["name"]),
+    (["a/b={mlp}"], ["'a/b'"]),
+    (["missing.onnx"], ["not found", "missing.onnx"]),
+])
+def test_bad_model_arguments_say_what_is_wrong(models, items, words):
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        model_specs([i.format(mlp=models.mlp) for i in items])
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_a_bad_model_is_one_line_and_status_1(capsys):
+    assert main(["serve", "missing.onnx"]) == 1
+    assert "slabpool serve: error: model not found: missing.onnx" in capsys.readouterr().err
+
+
+def test_the_command_line_does_not_import_the_servers():
+    code = ("import sys, slabpool.engine.job.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('uvicorn', 'grpc', 'orjson', 'prometheus_client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
