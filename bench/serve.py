@@ -24,6 +24,7 @@ too (fastapi comes with MLServer). `--only slabpool` skips both.
     python -m bench.serve                           # all three, ~3 min; writes bench/results/serve.json
     python -m bench.serve --duration 10 --crash-seconds 20
     python -m bench.serve --only slabpool,fastapi
+    python -m bench.serve --only slabpool --slabpool-args "--max-batch-size 8"   (dynamic batching)
 
 Figures depend on the host: on a shared machine take them as a smoke run only.
 """
@@ -192,11 +193,11 @@ def ensure_venv(venv: Path) -> Path:
     return py
 
 
-def start(name: str, model: Path, workers: int, tmp: Path, venv: Path | None) -> Running:
+def start(name: str, model: Path, workers: int, tmp: Path, venv: Path | None, extra: list[str]) -> Running:
     port = _free_port()
     if name == "slabpool":
         argv = [sys.executable, "-m", "slabpool", "serve", f"mlp={model}", "--workers", str(workers),
-                "--http-port", str(port), "--grpc-port", "0"]
+                "--http-port", str(port), "--grpc-port", "0", *extra]
         return Running(name, argv, port, REPO)
     assert venv is not None
     py = ensure_venv(venv)
@@ -255,7 +256,7 @@ def crash_run(srv: Running, script: Path, seconds: float, body: bytes) -> Crash:
 def measure(name: str, args: argparse.Namespace, model: Path, script: Path, body: bytes,
             want: dict[str, np.ndarray], tmp: Path) -> dict[str, Any]:
     print(f"-- {name}", flush=True)
-    srv = start(name, model, args.workers, tmp, None if name == "slabpool" else args.venv)
+    srv = start(name, model, args.workers, tmp, None if name == "slabpool" else args.venv, args.slabpool_args.split())
     try:
         srv.wait_ready(body)
         correct = check_outputs(srv, body, want)
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=lambda s: s.split(","), default=list(CONTENDERS))
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the throwaway venv for MLServer and FastAPI")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--slabpool-args", default="", help="more flags for slabpool serve, e.g. '--max-batch-size 8'")
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench.serve needs wrk: apt-get install wrk", file=sys.stderr)
