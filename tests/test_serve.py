@@ -286,3 +286,48 @@ def test_bytes_length_prefix_codec_round_trips():
     raw = tensors.to_bytes(np.array(items, dtype=object))
     assert raw[:4] == struct.pack("<I", 0)
     assert tensors.from_buffer("s", "BYTES", (2, 2), raw) == items
+
+
+_ARRAYS = {
+    "BOOL": np.array([[True, False, True]]), "UINT8": np.arange(6, dtype=np.uint8).reshape(2, 3),
+    "UINT16": np.arange(4, dtype=np.uint16), "UINT32": np.arange(4, dtype=np.uint32),
+    "UINT64": np.array([2**63 + 5], dtype=np.uint64), "INT8": np.array([-128, 127], dtype=np.int8),
+    "INT16": np.array([-3, 3], dtype=np.int16), "INT32": np.array([[-7], [7]], dtype=np.int32),
+    "INT64": np.array([-(2**62)], dtype=np.int64), "FP16": np.array([0.5, -2.0], dtype=np.float16),
+    "FP32": np.array([[1.5, np.inf]], dtype=np.float32), "FP64": np.array([np.pi], dtype=np.float64),
+}
+
+
+@pytest.mark.parametrize("datatype", list(_ARRAYS))
+def test_every_datatype_round_trips_raw_and_as_json(datatype):
+    from slabpool.engine.serve import tensors
+
+    arr = _ARRAYS[datatype]
+    assert tensors.datatype_of(arr.dtype) == datatype
+    raw = tensors.to_bytes(tensors.as_output("t", arr))
+    got = tensors.from_buffer("t", datatype, arr.shape, raw)
+    assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes() and not got.flags.writeable  # a view
+    listed = tensors.to_list(arr).tolist()
+    assert tensors.from_list("t", datatype, arr.shape, listed).tobytes() == arr.tobytes()
+
+
+def test_string_outputs_go_out_as_bytes_json_and_binary():
+    from slabpool.engine.serve.core import InferResponse, OutputTensor
+    from slabpool.engine.serve.http import encode_response
+
+    words = np.array([["a", "bé"], ["", "c"]], dtype=object)
+    resp = InferResponse("m", "v", "i", [OutputTensor("s", "BYTES", [2, 2], words, False),
+                                          OutputTensor("b", "BYTES", [2, 2], words, True)])
+    body, n = encode_response(resp)
+    assert n is not None
+    head = json.loads(body[:n])
+    assert head["outputs"][0]["data"] == ["a", "bé", "", "c"]
+    assert head["outputs"][1]["parameters"]["binary_data_size"] == len(body) - n
+    assert tritonclient_bytes(body[n:]) == [b"a", "bé".encode(), b"", b"c"]
+
+
+def tritonclient_bytes(raw: bytes) -> list[bytes]:
+    """tritonclient's own reader of the BYTES binary format."""
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    return list(deserialize_bytes_tensor(raw))

@@ -319,3 +319,18 @@ def test_reload_through_the_repository_extension_and_sighup(models, tmp_path):
         if srv.proc.poll() is None:
             srv.stop(signal.SIGKILL)
         _servers.remove(srv)
+
+
+@pytest.mark.slow
+def test_a_drain_that_outlasts_its_timeout_cancels_the_rest_and_exits_1(models, tmp_path):
+    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--drain-timeout", "0.5", *HOOKS)
+    _servers.append(srv)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(post, srv, _x(80), f"hold:{tmp_path / 'never'}")
+            wait_for(lambda: metric(srv, "slabpool_busy_slots") == 1, "the worker to hold the request")
+            assert srv.stop() == 1
+            status, msg = held.result()
+            assert status == 503, msg
+    finally:
+        _servers.remove(srv)

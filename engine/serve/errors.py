@@ -7,7 +7,8 @@
 
     engine errors (slabpool.workers.errors) -> `from_engine`:
         InputContractError                    400 INVALID_ARGUMENT   names the input, expected, got
-        QueueFull, EngineClosed               503 UNAVAILABLE        retry later / elsewhere
+        QueueFull, EngineClosed, TaskCancelled 503 UNAVAILABLE       retry later / elsewhere (a
+                                                                     cancel is the server's: shutting down)
         TaskTimeout, the request's timeout    504 DEADLINE_EXCEEDED
         PoisonTask                            500 INTERNAL           lists each exit code / signal
         SessionRunError, WorkerError, ...     500 INTERNAL
@@ -72,7 +73,7 @@ def from_engine(exc: BaseException) -> ServeError:
         return BadRequest(text)
     if isinstance(exc, E.QueueFull):
         return Unavailable(f"the queue is full: {text}; retry later")
-    if isinstance(exc, E.EngineClosed):
+    if isinstance(exc, E.EngineClosed | E.TaskCancelled):
         return Unavailable(f"the model is not accepting requests: {text}")
     if isinstance(exc, E.TaskTimeout | TimeoutError):
         return ServeError(text, Status.DEADLINE_EXCEEDED)

@@ -95,6 +95,8 @@ class Repository(Mapping[str, Served]):
     def ready(self) -> bool:
         return all(m.ready() for m in self._models.values())
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, cancel: bool = False) -> None:
+        """Close every engine (idempotent): `cancel` drops what is queued; after `timeout` s
+        what still runs is cancelled."""
         for m in self._models.values():
-            m.engine.close(timeout=timeout)
+            m.engine.close(cancel_pending=cancel, timeout=timeout)

@@ -6,8 +6,9 @@
       SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
 
     drain: ready answers 503 / false and new inferences 503 / UNAVAILABLE at once; what was
-    accepted finishes (up to --drain-timeout); then both servers stop, the engines close, and
-    the process exits 0 (1 if the drain timeout cut requests short).
+    accepted finishes (up to --drain-timeout: then what is left is cancelled, and answered
+    503 / UNAVAILABLE); then both servers stop, the engines close, and the process exits 0
+    (1 if the drain timeout cut requests short).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         fe.draining = True
         log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
         drained = await fe.wait_idle(listen.drain_timeout)
+        if not drained:  # cancel what is left: those requests answer 503 before the servers stop
+            await asyncio.to_thread(fe.repo.close, 5.0, True)
+            await fe.wait_idle(5.0)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
