@@ -118,16 +118,14 @@ class Frontend:
         try:
             if req.timeout is None:
                 return await eng.infer_async(req.inputs)
-            async with asyncio.timeout(req.timeout):
+            async with asyncio.timeout(req.timeout):  # the engine's deadline covers the queue, this the rest
                 return await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
-        except TimeoutError as exc:
-            if req.timeout is not None and not isinstance(exc, ServeError):
-                raise ServeError(f"the request's timeout ({req.timeout * 1e6:.0f} us) passed",
-                                 Status.DEADLINE_EXCEEDED) from None
-            raise from_engine(exc) from None
-        except (asyncio.CancelledError, ServeError):
+        except TimeoutError as exc:  # asyncio's, or the engine's TaskTimeout (a deadline, --task-timeout)
+            why = str(exc) or f"the request's timeout ({(req.timeout or 0) * 1e6:.0f} us) passed"
+            raise ServeError(why, Status.DEADLINE_EXCEEDED) from None
+        except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer (500), not the server's
+        except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer, not the server's
             raise from_engine(exc) from None
 
     async def wait_idle(self, timeout: float) -> bool:
