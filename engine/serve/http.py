@@ -310,8 +310,11 @@ def encode_response(resp: InferResponse) -> tuple[bytes, int | None]:
         else:
             tensor["data"] = tensors.to_list(o.array)
         outs.append(tensor)
-    head = orjson.dumps({"model_name": resp.model, "model_version": resp.version, "id": resp.id, "outputs": outs},
-                        option=_OPTS, default=_tolist)
+    answer: dict[str, Any] = {"model_name": resp.model, "model_version": resp.version}
+    if resp.id:  # echoed when the request had one, as Triton does
+        answer["id"] = resp.id
+    answer["outputs"] = outs
+    head = orjson.dumps(answer, option=_OPTS, default=_tolist)
     if not blobs:
         return head, None
     return b"".join((head, *blobs)), len(head)
