@@ -16,6 +16,7 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,14 @@ def wait_for(cond: Any, what: str, timeout: float = 60) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def _until(stop: threading.Event, call: Any) -> list[Any]:
+    """call() again and again until `stop` is set (at least once); what each returned."""
+    out = [call()]
+    while not stop.is_set():
+        out.append(call())
+    return out
 
 
 def _ref(models: SimpleNamespace, x: np.ndarray) -> np.ndarray:
@@ -323,8 +332,14 @@ def test_reload_through_the_repository_extension_and_sighup(models, tmp_path):
         x = _x(70)
         body = {"inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
         old = h.get("/v2/models/mlp").json()["versions"][0]
-        r = h.post("/v2/repository/models/mlp/load", json={"parameters": {"path": str(v2)}})
+        with ThreadPoolExecutor(1) as pool:  # requests all through the swap: none fails
+            stop = threading.Event()
+            during = pool.submit(_until, stop, lambda: post(srv, x)[0])
+            r = h.post("/v2/repository/models/mlp/load", json={"parameters": {"path": str(v2)}})
+            stop.set()
+            statuses = during.result()
         assert r.status_code == 200, r.text
+        assert statuses and set(statuses) == {200}
         new = r.json()["version"]
         assert new != old and h.get("/v2/models/mlp").json()["versions"] == [new]
         out = h.post("/v2/models/mlp/infer", json=body).json()
