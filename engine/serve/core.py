@@ -123,8 +123,6 @@ class Frontend:
         except TimeoutError as exc:  # asyncio's, or the engine's TaskTimeout (a deadline, --task-timeout)
             why = str(exc) or f"the request's timeout ({(req.timeout or 0) * 1e6:.0f} us) passed"
             raise ServeError(why, Status.DEADLINE_EXCEEDED) from None
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer, not the server's
             raise from_engine(exc) from None
 

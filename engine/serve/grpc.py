@@ -10,6 +10,7 @@ cancels (or whose deadline passes) cancels its engine task.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, NoReturn
 
@@ -85,6 +86,9 @@ class GrpcService:
         except ServeError as exc:
             self.fe.record(request.model_name, "grpc", exc.status, started, request.id)
             await _abort(context, exc)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc ends the call
+            self.fe.record(request.model_name, "grpc", Status.CANCELLED, started, request.id)
+            raise
         self.fe.record(request.model_name, "grpc", Status.OK, started, request.id)
         return resp
 
