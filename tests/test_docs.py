@@ -8,7 +8,7 @@ is written to that file instead (appended to it when an earlier block wrote it),
 commands after it. A shell block that holds a `slabpool run|inspect|doctor|bench` command (or
 `python -m slabpool`) runs line by line in bash. Blocks that cannot run here carry, on the
 line before their fence, `<!-- docs-test: skip (why) -->`; `<!-- docs-test: model.onnx=mlp -->`
-puts the MLP at `model.onnx` for that block.
+puts the MLP at `model.onnx` for that block (`=houses`: the 5-feature MLP of houses.csv).
 """
 
 from __future__ import annotations
@@ -189,6 +189,10 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = [{"id": i, **{f"f{k}": float(x[i, k]) for k in range(16)}} for i in range(20)]
     (d / "in.csv").write_text("id," + ",".join(f"f{k}" for k in range(16)) + "\n" + "".join(
         ",".join(str(v) for v in r.values()) + "\n" for r in rows))
+    houses = rng.random((12, 5)).astype(np.float32)  # docs/cli.md's --columns example: x is [N, 5]
+    onnx_models.mlp(d / "houses.onnx", in_dim=5)
+    (d / "houses.csv").write_text("id,rooms,area,age,lat,lon\n" + "".join(
+        f"{i}," + ",".join(repr(float(v)) for v in houses[i]) + "\n" for i in range(12)))
     with gzip.open(d / "items.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return d
@@ -210,7 +214,7 @@ def run_block(block: Block, work: Path) -> subprocess.CompletedProcess[str]:
             f.write(block.text)
         return subprocess.CompletedProcess([], 0, "", "")
     model = block.directive.partition("model.onnx=")[2].split()[0] if "model.onnx=" in block.directive else ""
-    shutil.copy(work / "mlp.onnx" if model == "mlp" else REPO / "engine" / "data" / "demo.onnx", work / "model.onnx")
+    shutil.copy(work / f"{model}.onnx" if model else REPO / "engine" / "data" / "demo.onnx", work / "model.onnx")
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
            "PYTHONPATH": os.pathsep.join([str(work), str(REPO)])}
