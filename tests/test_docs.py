@@ -99,7 +99,7 @@ def _all_blocks() -> list[Block]:
 PATH = re.compile(r"(?<![\w./-])((?:\.\./)*(?:engine|workers|shm|tests|bench|docs|examples|notes|slabpool)/[\w./{},-]*\w\}?)")
 NAME = re.compile(r"(?<![\w.])(slabpool(?:\.\w+)+)")
 SOURCES = [*DOCS, *(p for d in ("engine", "workers", "shm", "examples", "bench", "tests") for p in sorted((REPO / d).rglob("*.py")))]
-NOT_NAMES = {"slabpool.schema", "slabpool.X"}  # a Parquet metadata key; a placeholder
+NOT_NAMES = {"slabpool.schema", "slabpool.X", "slabpool.engine.serve.access"}  # a Parquet metadata key; a placeholder; a logger
 NOT_PATHS = {"workers/actors"}  # prose: "its workers/actors"
 
 

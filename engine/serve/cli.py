@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if args.access_log:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        access = logging.getLogger("slabpool.serve.access")
+        access = logging.getLogger("slabpool.engine.serve.access")
         access.addHandler(handler)
         access.setLevel(logging.INFO)
         access.propagate = False

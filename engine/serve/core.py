@@ -31,7 +31,7 @@ from slabpool.engine.serve.errors import BadRequest, ServeError, Status, Unavail
 from slabpool.engine.serve.metrics import RequestMetrics
 from slabpool.engine.serve.models import Repository, Served
 
-access_log = logging.getLogger("slabpool.serve.access")
+access_log = logging.getLogger("slabpool.engine.serve.access")
 
 
 @dataclass

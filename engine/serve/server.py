@@ -29,7 +29,7 @@ from slabpool.engine.serve.core import Frontend
 from slabpool.engine.serve.grpc import GrpcService
 from slabpool.engine.serve.http import HttpApp
 
-log = logging.getLogger("slabpool.serve")
+log = logging.getLogger("slabpool.engine.serve")
 GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
     ("grpc.max_receive_message_length", 2**31 - 1),
