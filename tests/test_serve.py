@@ -191,6 +191,7 @@ def test_raw_binary_extension_request(server, models, binary_out):
 # -- errors ---------------------------------------------------------------------------------------------
 
 X = {"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}
+XI = {"name": "x", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]}
 ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message must hold)
     "dtype": ("mlp", {"inputs": [{**X, "datatype": "FP64"}]}, 400, ["'x'", "float32", "float64"]),
     "static dim": ("mlp", {"inputs": [{**X, "shape": [1, 15], "data": [0.5] * 15}]}, 400, ["'x'", "16", "15"]),
@@ -203,6 +204,15 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     "unknown output": ("mlp", {"inputs": [X], "outputs": [{"name": "zz"}]}, 400, ["'zz'", "probs"]),
     "bad timeout": ("mlp", {"inputs": [X], "parameters": {"timeout": "soon"}}, 400, ["timeout"]),
     "unknown model": ("nope", {"inputs": [X]}, 404, ["'nope'", "mlp"]),
+    # JSON data is read as the datatype names it, never cast (was: 1.5 -> 1, "1" -> 1.0, null -> nan,
+    # true -> 1.0, 1e40 -> inf, all answered 200; an integer past INT32 answered a plain-text 500)
+    "float as INT32": ("ints", {"inputs": [{**XI, "data": [1.5, 2, 3, 4]}]}, 400, ["'x'", "INT32", "1.5"]),
+    "INT32 range": ("ints", {"inputs": [{**XI, "data": [1, 2, 3, 2**40]}]}, 400, ["'x'", "range", "INT32"]),
+    "string as FP32": ("mlp", {"inputs": [{**X, "data": ["0.5"] * 16}]}, 400, ["'x'", "FP32", "'0.5'"]),
+    "null as FP32": ("mlp", {"inputs": [{**X, "data": [None] + [0.5] * 15}]}, 400, ["'x'", "None"]),
+    "bool as FP32": ("mlp", {"inputs": [{**X, "data": [True] + [0.5] * 15}]}, 400, ["'x'", "True"]),
+    "FP32 range": ("mlp", {"inputs": [{**X, "data": [1e40] + [0.5] * 15}]}, 400, ["'x'", "range", "FP32"]),
+    "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
 }
 
 
@@ -309,6 +319,34 @@ def test_every_datatype_round_trips_raw_and_as_json(datatype):
     assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes() and not got.flags.writeable  # a view
     listed = tensors.to_list(arr).tolist()
     assert tensors.from_list("t", datatype, arr.shape, listed).tobytes() == arr.tobytes()
+
+
+REFUSED = [  # (datatype, data): a value that is not one of the datatype, or past its range
+    ("BOOL", [1, 0]), ("BOOL", ["true", False]), ("INT8", [300, 0]), ("UINT8", [-1, 0]), ("INT16", [1.0, 2]),
+    ("UINT32", [True, 1]), ("INT64", [2**63, 0]), ("UINT64", [2**64, 0]), ("INT32", [None, 1]),
+    ("FP16", [70000.0, 0]), ("FP32", [-1e39, 0]), ("FP32", [10**400, 0]), ("FP64", ["1", 0]), ("FP32", [[1], 2]),
+]
+
+
+@pytest.mark.parametrize(("datatype", "data"), REFUSED, ids=[f"{d}-{v[0]!r}"[:24] for d, v in REFUSED])
+def test_data_that_is_not_of_its_datatype_is_refused_not_cast(datatype, data):
+    from slabpool.engine.serve import tensors
+    from slabpool.engine.serve.errors import BadRequest
+
+    with pytest.raises(BadRequest, match=f"input 'x': .*{datatype}|input 'x': .*data"):
+        tensors.from_list("x", datatype, (2,), data)
+
+
+def test_grpc_typed_contents_out_of_range_are_refused():
+    """int_contents carries INT8/INT16 as int32: a value past the datatype's range is refused."""
+    from slabpool.engine.serve import grpc as serve_grpc
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name="x", datatype="INT8", shape=[2]).contents.int_contents.extend([300, 1])
+    with pytest.raises(BadRequest, match="out of range for INT8"):
+        serve_grpc.decode_request(req, None)
 
 
 def test_string_outputs_go_out_as_bytes_json_and_binary():

@@ -117,7 +117,7 @@ def decode_request(request: Any, remaining: float | None) -> InferRequest:
             if field is None:
                 raise BadRequest(f"input {t.name!r}: datatype {t.datatype!r} has no typed contents field; "
                                  f"expected one of {sorted(_CONTENTS)} (or send raw_input_contents)")
-            feeds[t.name] = tensors.from_list(t.name, t.datatype, shape, getattr(t.contents, field))
+            feeds[t.name] = tensors.from_list(t.name, t.datatype, shape, list(getattr(t.contents, field)))
     if not feeds:
         raise BadRequest("the request needs inputs")
     params = {k: _param(v) for k, v in request.parameters.items()}

@@ -82,7 +82,10 @@ def from_buffer(name: str, datatype: str, shape: tuple[int, ...], buf: bytes | m
 
 
 def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Any:
-    """JSON `data` (flat row-major, or nested) or gRPC typed contents, as an array of the datatype."""
+    """JSON `data` (flat row-major, or nested as the shape) or gRPC typed contents, as an array
+    of the datatype. Nothing is cast silently: each element must be a value of that datatype
+    (`true`/`false` for BOOL, integers for the integer types, numbers for the float types), in
+    its range (an integer past it, or a number past FP16/FP32's largest, is refused)."""
     if datatype == BYTES:
         items = [v.encode() if isinstance(v, str) else v for v in _flat(data)]
         if not all(isinstance(v, bytes) for v in items) or len(items) != _count(shape):
@@ -90,13 +93,50 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
                              f"got {len(items)} items")
         return items
     dt = _dtype(name, datatype)
+    flat = _flat(data)
+    _check_elements(name, datatype, dt, flat)
     try:
-        arr = np.asarray(data, dtype=dt)
+        with np.errstate(over="ignore"):  # a float past FP16/FP32's range: refused below, by element
+            arr = np.asarray(data, dtype=dt)
+    except OverflowError as exc:
+        raise BadRequest(f"input {name!r}: a value is out of range for {datatype}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"input {name!r}: data does not read as {datatype}: {exc}") from None
     if arr.size != _count(shape):
         raise BadRequest(f"input {name!r}: shape {list(shape)} holds {_count(shape)} elements, got {arr.size}")
+    if arr.ndim > 1 and arr.shape != shape:
+        raise BadRequest(f"input {name!r}: nested data of shape {list(arr.shape)} for shape {list(shape)}; "
+                         "send it flat (row-major) or nested as the shape")
+    if dt.kind == "f" and dt.itemsize < 8:
+        _check_float_range(name, datatype, arr, flat)
     return arr.reshape(shape)
+
+
+# the Python types a JSON (or gRPC typed) element of each kind may have: no bool as a number,
+# no number as a bool, no string or null as anything
+_ELEMENT_TYPES: dict[str, tuple[type, ...]] = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float)}
+
+
+def _check_elements(name: str, datatype: str, dt: np.dtype[Any], flat: list[Any]) -> None:
+    allowed = _ELEMENT_TYPES[dt.kind]
+    for i, v in enumerate(flat):
+        if type(v) not in allowed:
+            what = {"b": "true or false", "i": "integers", "u": "integers", "f": "numbers"}[dt.kind]
+            raise BadRequest(f"input {name!r}: {datatype} data must be {what}; element {i} is {v!r} "
+                             f"({type(v).__name__}); nothing is cast silently")
+
+
+def _check_float_range(name: str, datatype: str, arr: np.ndarray[Any, Any], flat: list[Any]) -> None:
+    """A finite number that became inf in FP16/FP32 was out of its range (inf given stays inf)."""
+    became = np.isinf(arr.reshape(-1))
+    if not became.any():
+        return
+    given = np.isinf(np.asarray(flat, dtype=np.float64))
+    over = np.flatnonzero(became & ~given)
+    if over.size:
+        i = int(over[0])
+        raise BadRequest(f"input {name!r}: element {i} ({flat[i]!r}) is out of range for {datatype} "
+                         f"(largest {float(np.finfo(arr.dtype).max):g})")
 
 
 def _flat(data: Any) -> list[Any]:
