@@ -212,6 +212,7 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     "null as FP32": ("mlp", {"inputs": [{**X, "data": [None] + [0.5] * 15}]}, 400, ["'x'", "None"]),
     "bool as FP32": ("mlp", {"inputs": [{**X, "data": [True] + [0.5] * 15}]}, 400, ["'x'", "True"]),
     "FP32 range": ("mlp", {"inputs": [{**X, "data": [1e40] + [0.5] * 15}]}, 400, ["'x'", "range", "FP32"]),
+    "input twice": ("ints", {"inputs": [XI, {**XI, "data": [5, 6, 7, 8]}]}, 400, ["'x'", "twice"]),
     "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
 }
 
@@ -347,6 +348,23 @@ def test_grpc_typed_contents_out_of_range_are_refused():
     req.inputs.add(name="x", datatype="INT8", shape=[2]).contents.int_contents.extend([300, 1])
     with pytest.raises(BadRequest, match="out of range for INT8"):
         serve_grpc.decode_request(req, None)
+
+
+def test_grpc_input_given_twice_is_refused():
+    """Two tensors of one name: 400, not the last one silently run (raw and typed contents)."""
+    from slabpool.engine.serve import grpc as serve_grpc
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    raw = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 4, b"\1" * 4])
+    typed = pb.ModelInferRequest(model_name="m")
+    for req in (raw, typed):
+        for _ in range(2):
+            t = req.inputs.add(name="x", datatype="INT32", shape=[1])
+            if req is typed:
+                t.contents.int_contents.append(1)
+        with pytest.raises(BadRequest, match="input 'x' is given twice"):
+            serve_grpc.decode_request(req, None)
 
 
 def test_string_outputs_go_out_as_bytes_json_and_binary():

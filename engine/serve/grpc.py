@@ -110,6 +110,8 @@ def decode_request(request: Any, remaining: float | None) -> InferRequest:
     feeds: dict[str, Any] = {}
     for i, t in enumerate(request.inputs):
         shape = tensors.check_shape(t.name, list(t.shape))
+        if t.name in feeds:  # the last would silently win
+            raise BadRequest(f"input {t.name!r} is given twice; each input once")
         if raw:
             feeds[t.name] = tensors.from_buffer(t.name, t.datatype, shape, raw[i])
         else:

@@ -243,6 +243,8 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     pos = 0
     for t in inputs:
         tname, datatype, shape = _tensor_head(t)
+        if tname in feeds:  # the last would silently win
+            raise BadRequest(f"input {tname!r} is given twice; each input once")
         size = _params(t.get("parameters"), f"input {tname!r}").get("binary_data_size")
         if size is not None:
             if type(size) is not int or size < 0 or pos + size > len(blob):
