@@ -350,6 +350,26 @@ def test_grpc_typed_contents_out_of_range_are_refused():
         serve_grpc.decode_request(req, None)
 
 
+@pytest.mark.parametrize(("kind", "value"), [("string_param", "soon"), ("int64_param", -5), ("bool_param", True),
+                                             ("double_param", -0.5)])
+def test_grpc_timeout_parameter_is_checked_as_http_checks_it(kind, value):
+    """Was: a string answered UNKNOWN (a TypeError), a negative or `true` timeout a 504."""
+    from slabpool.engine.serve import grpc as serve_grpc
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 4])
+    req.inputs.add(name="x", datatype="INT32", shape=[1])
+    ok = pb.ModelInferRequest()
+    ok.CopyFrom(req)
+    setattr(req.parameters["timeout"], kind, value)
+    with pytest.raises(BadRequest, match=r"parameters\.timeout must be microseconds"):
+        serve_grpc.decode_request(req, None)
+    ok.parameters["timeout"].int64_param = 250_000
+    assert serve_grpc.decode_request(ok, None).timeout == 0.25
+    assert serve_grpc.decode_request(ok, 0.1).timeout == 0.1  # the tighter of it and the deadline
+
+
 def test_grpc_input_given_twice_is_refused():
     """Two tensors of one name: 400, not the last one silently run (raw and typed contents)."""
     from slabpool.engine.serve import grpc as serve_grpc

@@ -155,6 +155,16 @@ class Frontend:
             }).decode())
 
 
+def timeout_param(us: Any) -> float | None:
+    """The `timeout` parameter, in microseconds as tritonclient sends it (both
+    transports); 0 or absent: none."""
+    if us is None or us == 0:
+        return None
+    if isinstance(us, bool) or not isinstance(us, int | float) or us < 0:
+        raise BadRequest(f"parameters.timeout must be microseconds >= 0, got {us!r}")
+    return float(us) / 1e6
+
+
 EXTENSIONS = ("binary_tensor_data", "model_repository", "parameters")
 
 

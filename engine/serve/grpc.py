@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import grpc
 
 from slabpool.engine.serve import tensors
-from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested
+from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
 from slabpool.engine.serve.errors import BadRequest, ServeError, Status
 from slabpool.engine.serve.proto import grpc_predict_v2_pb2
 
@@ -125,9 +125,9 @@ def decode_request(request: Any, remaining: float | None) -> InferRequest:
     params = {k: _param(v) for k, v in request.parameters.items()}
     outputs = [Requested(o.name, True) for o in request.outputs] or None
     timeout = remaining
-    us = params.get("timeout")
-    if us:  # tritonclient's `timeout` parameter, in microseconds; the tighter of the two wins
-        timeout = min(us / 1e6, timeout) if timeout is not None else us / 1e6
+    asked = timeout_param(params.get("timeout"))
+    if asked is not None:  # tritonclient's `timeout` parameter; the tighter of it and the deadline wins
+        timeout = min(asked, timeout) if timeout is not None else asked
     return InferRequest(request.model_name, request.model_version, request.id, feeds, outputs, True, timeout)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from slabpool.engine.serve import tensors
-from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested
+from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
 from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status
 from slabpool.engine.serve.metrics import CONTENT_TYPE
 
@@ -259,7 +259,7 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     if pos != len(blob):
         raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
     return InferRequest(name, version, str(head.get("id", "")), feeds, _outputs(head.get("outputs")),
-                        bool(params.get("binary_data_output", False)), _timeout(params.get("timeout")))
+                        bool(params.get("binary_data_output", False)), timeout_param(params.get("timeout")))
 
 
 def _tensor_head(t: Any) -> tuple[str, str, tuple[int, ...]]:
@@ -288,15 +288,6 @@ def _outputs(outputs: Any) -> list[Requested] | None:
         raise BadRequest(f"\"outputs\" must be a list of {{\"name\": ...}} objects, got {str(outputs)[:200]}")
     return [Requested(o["name"], bool(_params(o.get("parameters"), f"output {o['name']!r}").get("binary_data")))
             for o in outputs]
-
-
-def _timeout(us: Any) -> float | None:
-    """The `timeout` parameter, in microseconds as tritonclient sends it; 0 or absent: none."""
-    if us is None or us == 0:
-        return None
-    if isinstance(us, bool) or not isinstance(us, int | float) or us < 0:
-        raise BadRequest(f"parameters.timeout must be microseconds >= 0, got {us!r}")
-    return float(us) / 1e6
 
 
 def encode_response(resp: InferResponse) -> tuple[bytes, int | None]:
