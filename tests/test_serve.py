@@ -228,6 +228,16 @@ def test_errors_are_the_protocols_error_object(server, case):
         assert w in msg, (w, msg)
 
 
+@pytest.mark.parametrize("body", [{"parameters": 5}, {"parameters": ["path"]}, {"parameters": {"path": 5}}, [1]])
+def test_a_malformed_load_request_is_400_and_reloads_nothing(server, body):
+    """Was: `"parameters": 5` answered a plain-text 500 (an AttributeError in the app)."""
+    before = httpx.get(f"{server.url}/v2/models/ints").json()["versions"]
+    r = httpx.post(f"{server.url}/v2/repository/models/ints/load", json=body)
+    assert r.status_code == 400, r.text
+    assert "parameters" in r.json()["error"] or "JSON object" in r.json()["error"]
+    assert httpx.get(f"{server.url}/v2/models/ints").json()["versions"] == before
+
+
 @pytest.mark.parametrize("case", ["short", "long"])
 def test_binary_sizes_that_do_not_add_up_are_400(server, case):
     x = np.zeros((1, 16), np.float32)

@@ -93,7 +93,7 @@ class HttpApp:
             return Status.OK, [{"name": n, "version": m.version, "state": "READY" if m.ready() else "UNAVAILABLE"}
                                for n, m in fe.repo.items()]
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "load":
-            params = (_json(body).get("parameters") or {}) if body else {}
+            params = _params(_json(body).get("parameters"), "the load request") if body else {}
             path = params.get("path")
             if path is not None and not isinstance(path, str):
                 raise BadRequest(f"parameters.path must be a string, got {path!r}")
