@@ -213,6 +213,12 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     "bool as FP32": ("mlp", {"inputs": [{**X, "data": [True] + [0.5] * 15}]}, 400, ["'x'", "True"]),
     "FP32 range": ("mlp", {"inputs": [{**X, "data": [1e40] + [0.5] * 15}]}, 400, ["'x'", "range", "FP32"]),
     "input twice": ("ints", {"inputs": [XI, {**XI, "data": [5, 6, 7, 8]}]}, 400, ["'x'", "twice"]),
+    # fields of the wrong JSON type (was: "false" read as true, a null id echoed as "None")
+    "flag as string": ("ints", {"inputs": [XI], "parameters": {"binary_data_output": "false"}}, 400,
+                       ["binary_data_output", "'false'"]),
+    "output flag": ("ints", {"inputs": [XI], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]}, 400,
+                    ["output 'y'", "binary_data"]),
+    "id not a string": ("ints", {"id": None, "inputs": [XI]}, 400, ["id", "None"]),
     "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
 }
 

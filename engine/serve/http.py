@@ -258,8 +258,19 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
             raise BadRequest(f"input {tname!r} has neither \"data\" nor parameters.binary_data_size")
     if pos != len(blob):
         raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
-    return InferRequest(name, version, str(head.get("id", "")), feeds, _outputs(head.get("outputs")),
-                        bool(params.get("binary_data_output", False)), timeout_param(params.get("timeout")))
+    request_id = head.get("id", "")
+    if not isinstance(request_id, str):  # the protocol's id is a string (was: null echoed as "None")
+        raise BadRequest(f"\"id\" must be a string, got {request_id!r}")
+    return InferRequest(name, version, request_id, feeds, _outputs(head.get("outputs")),
+                        _flag(params, "binary_data_output", "the request"), timeout_param(params.get("timeout")))
+
+
+def _flag(params: dict[str, Any], key: str, whose: str) -> bool:
+    """A true/false parameter (was: any value read as Python truth, so "false" meant true)."""
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{whose}: parameters.{key} must be true or false, got {value!r}")
+    return value
 
 
 def _tensor_head(t: Any) -> tuple[str, str, tuple[int, ...]]:
@@ -286,7 +297,8 @@ def _outputs(outputs: Any) -> list[Requested] | None:
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 for o in outputs):
         raise BadRequest(f"\"outputs\" must be a list of {{\"name\": ...}} objects, got {str(outputs)[:200]}")
-    return [Requested(o["name"], bool(_params(o.get("parameters"), f"output {o['name']!r}").get("binary_data")))
+    return [Requested(o["name"], _flag(_params(o.get("parameters"), f"output {o['name']!r}"), "binary_data",
+                                       f"output {o['name']!r}"))
             for o in outputs]
 
 
