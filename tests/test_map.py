@@ -87,6 +87,21 @@ def test_a_bad_item_is_refused_at_the_door(models) -> None:  # type: ignore[no-u
         assert list(eng.map(items[:5], chunk=4))  # the engine goes on
 
 
+@pytest.mark.parametrize("chunk", [1, 4, None])
+@pytest.mark.parametrize("bad", [0, 5, 9])
+def test_an_item_refused_at_the_door_raises_at_its_position_with_its_index(models, chunk, bad) -> None:  # type: ignore[no-untyped-def]
+    """Was: the contract error was raised at once, before the results of the items ahead of it,
+    and without an .index."""
+    items = [{"x": np.full((1, 16), i, np.float32)} for i in range(10)]
+    items[bad] = {"x": np.ones((1, 15), np.float32)}
+    with Engine(models.mlp, workers=1) as eng:
+        got = []
+        with pytest.raises(InputContractError, match="axis 1 must be 16") as err:
+            for res in eng.map(items, chunk=chunk):
+                got.append(res.index)
+        assert got == list(range(bad)) and err.value.index == bad  # type: ignore[attr-defined]
+
+
 def test_abandoning_a_chunked_map_cancels_what_is_queued(models) -> None:  # type: ignore[no-untyped-def]
     items = ({"x": np.ones((1, 16), np.float32)} for _ in range(10_000))
     with Engine(models.mlp, workers=1) as eng:

@@ -77,8 +77,9 @@ class MapMixin:
         self, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
         context: dict[str, Any] | None, chunk: int | None, ordered: bool,
     ) -> Iterator[Any]:
-        parts = self._map_parts(items, window=window, contain=return_exceptions, context=context, chunk=chunk,
-                                ordered=ordered)
+        # an item refused at the door is contained either way: it then raises at its position,
+        # with its .index, after the results before it (was: at once, before them, with no index)
+        parts = self._map_parts(items, window=window, contain=True, context=context, chunk=chunk, ordered=ordered)
         try:
             for part in parts:
                 yield from part.each(return_exceptions)
