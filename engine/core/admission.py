@@ -135,14 +135,28 @@ class TaskQueue:
         return task
 
     def discard(self, task: Task) -> bool:
-        """Remove a still-queued task (its Future was cancelled); True if it was here."""
+        """Remove a still-queued task, new or waiting to replay (it was cancelled); True if
+        it was here. Whoever removes it owns its ending: it will never be sent."""
         with self._cond:
-            found = task.id in self._pending
-            if found:
+            if task.id in self._pending:
                 self._take_out(task.id)
-            if found:
-                self._notify()
-            return found
+            elif not self._discard_replay(task):
+                return False
+            self._notify()
+            return True
+
+    def _discard_replay(self, task: Task) -> bool:
+        """Take a task out of the batch that waits to replay it (a batch left empty goes)."""
+        for i, batch in enumerate(self._replays):
+            if any(t is task for t in batch.tasks):
+                batch.tasks = [t for t in batch.tasks if t is not task]
+                if not batch.tasks:
+                    del self._replays[i]
+                else:
+                    batch.stack = batch.stack and len(batch.tasks) > 1
+                    self._replays.sort(key=lambda b: b.tasks[0].id)
+                return True
+        return False
 
     def close(self, error: BaseException) -> None:
         with self._cond:

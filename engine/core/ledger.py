@@ -57,7 +57,11 @@ class TaskLedger:
 
     def dispatchable(self, task: Task) -> bool:
         """Before a task's first dispatch (step 4): whether it may run. One the caller cancelled
-        between the queue and here ends CANCELLED, counted, and gives back its inputs."""
+        between the queue and here ends CANCELLED, counted, and gives back its inputs. One
+        that has ended already (cancelled while it waited to replay) is never sent again: its
+        inputs may be gone."""
+        if task.state.is_terminal:
+            return False
         if task.attempts:
             return True
         if task.future.set_running_or_notify_cancel():
@@ -119,7 +123,8 @@ class TaskLedger:
         if task.state.is_terminal:
             return False
         if task.state is TaskState.QUEUED and self.queue.discard(task):
-            self.finish(task, error=cancelled(task, "cancelled while queued"))
+            where = "while it waited to run again" if task.attempts else "while queued"
+            self.finish(task, error=cancelled(task, f"cancelled {where}"))
             return True
         self.finish(task, error=cancelled(task, "cancelled while running; its result is dropped"))
         if kill:

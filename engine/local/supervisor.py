@@ -189,6 +189,8 @@ class Supervisor(Dispatcher, OwnerThread):
         tasks = {t.id: t for t in batch.tasks}
         for outcome in msg.outcomes:
             task = tasks[outcome.task_id]
+            if task.state.is_terminal:
+                continue  # cancelled while it ran: its result is dropped, its inputs go back below
             if outcome.error is not None:
                 if outcome.error.kind == SPLIT:
                     split.append(task)  # its outputs did not fit beside the others': again, apart

@@ -401,6 +401,7 @@ class _Ledger(OwnerThread, TaskLedger):
         slot.ping_at = time.monotonic()
 
     def _requeue(self, tasks: list[RayTask]) -> None:
+        tasks = [t for t in tasks if not t.state.is_terminal]  # cancelled meanwhile: never again
         for t in tasks:
             t.move(TaskState.QUEUED)
         if tasks:

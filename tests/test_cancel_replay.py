@@ -1,0 +1,176 @@
+"""Cancel is safe in every queue (issue 19, item 4): a task cancelled wherever it is never
+takes the engine down, never frees inputs a worker may still read, and every other task ends
+right, once.
+
+The table: (where the task is when cancelled) x (what it is: a single task, a member of a group,
+a member of a stacked batch, a map() chunk) x start methods. Each case kills its worker from
+inside a task (tests.owner_hooks.gated) and holds the rebuilt worker in its initializer until
+the test lets it go (tests.owner_hooks.hold_rebuilt), so "waits to replay" and "in hand" are
+states the test reaches, not moments it hopes for:
+
+    1 G (a chunk, gated) in hand in worker 1; the batch [K, S, V, B...] sent ahead behind it
+    2 G goes on; K kills worker 1    -> worker 2 held in STARTING; the batch waits to replay
+    3 cancel V here ("replay"), or a new V ("queued"); then let worker 2 go;
+      or cancel V while S is in hand and V waits in the same batch ("grouped"),
+      or while V itself is in hand ("in hand")
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import CancelledError, Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slabpool import Engine
+from slabpool.workers import packing
+from slabpool.workers.errors import TaskCancelled
+from tests.owner_hooks import DEADLOCK_S
+
+X = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
+BATCH = 8  # tasks in the batch that dies: a group of 8 goes ahead to a busy slot (MIN_GROUP)
+
+WHERE = ("queued", "replay", "grouped", "in hand")
+KINDS = ("single", "group", "stacked", "chunk")
+CASES = [(w, k) for w in WHERE for k in KINDS if not (w == "grouped" and k == "single")]  # a single has no mates
+
+
+def wait_until(cond: Any, what: str) -> None:
+    """A state a hook or the engine reaches (the deadline only catches a deadlock)."""
+    end = time.monotonic() + DEADLOCK_S
+    while not cond():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.005)
+
+
+class Case:
+    """One cell of the table: the engine, the tasks, each pinned to its stage by a file."""
+
+    def __init__(self, eng: Engine, tmp: Path, where: str, kind: str) -> None:
+        self.eng, self.tmp, self.where, self.kind = eng, tmp, where, kind
+        self.others: list[Future[Any]] = []  # every task but the victim: each must complete
+        self.victim: Future[Any] | None = None
+
+    def item(self, x: np.ndarray = X, **files: str) -> dict[str, Any]:
+        return {"x": x, **{k: str(self.tmp / v) for k, v in files.items()}}
+
+    def submit(self, item: dict[str, Any], *, chunk: bool = False) -> Future[Any]:
+        if chunk:  # a map() chunk: one task, an outcome per item
+            return self.eng._submit_chunk([self.item(), item, self.item()], None)
+        return self.eng.submit(item)
+
+    def victim_item(self) -> dict[str, Any]:
+        return self.item(gate="gate-v") if self.where == "in hand" else self.item()
+
+    def run_up_to_the_death(self) -> None:
+        """Steps 1-2: returns with the batch waiting to replay and worker 2 held."""
+        tmp = self.tmp
+        for name in ("gate-g", "gate-s", "gate-v", "hold-2"):
+            (tmp / name).touch()
+        # groups follow the measured run time per task: pin it tiny, so that the batch is one
+        # group sent ahead on any machine (a step measured slow under load sends one by one)
+        self.eng._sup.call(setattr, self.eng._sup, "_task_s", 1e-5).result()
+        self.others.append(self.eng._submit_chunk([self.item(gate="gate-g")], None))  # G
+        wait_until((tmp / "gate-g.in").exists, "G in hand")
+        single = self.kind == "single" and self.where in ("replay", "in hand")
+        k = self.submit(self.item(kill_once="k", **({"gate": "gate-v"} if single and self.where == "in hand" else {})))
+        if single:
+            self.victim = k  # the task that killed its worker: it replays alone
+        else:
+            self.others.append(k)
+        batch = [k]
+        if self.where == "grouped":
+            batch.append(self.submit(self.item(gate="gate-s")))
+            self.others.append(batch[-1])
+        if self.victim is None and self.where != "queued":
+            self.victim = self.submit(self.victim_item(), chunk=self.kind == "chunk")
+            batch.append(self.victim)
+        while len(batch) < BATCH:
+            batch.append(self.submit(self.item()))
+            self.others.append(batch[-1])
+        wait_until(lambda: self.eng.stats().queued == 0, "the batch sent ahead")
+        (tmp / "gate-g").unlink()
+        wait_until((tmp / "started-2").exists, "worker 1 dead, worker 2 held")
+
+    def cancel_victim(self) -> None:
+        assert self.victim is not None
+        assert self.eng.cancel(self.victim)
+        with pytest.raises(TaskCancelled if self.where != "queued" else CancelledError):
+            self.victim.result(timeout=DEADLOCK_S)
+
+
+def reference(eng: Engine, x: np.ndarray = X) -> np.ndarray:
+    """The outputs of one item alone (as a chunk: a stacked engine would wait for its mates)."""
+    return packing.chunk_items(eng._submit_chunk([{"x": x}], None).result(timeout=DEADLOCK_S).outputs)[0]["probs"]
+
+
+def build(models: Any, tmp: Path, kind: str, start_method: str) -> Engine:
+    stacked = {"max_batch_size": BATCH, "max_batch_wait_ms": 600_000} if kind == "stacked" else {}
+    return Engine(models.mlp, workers=1, start_method=start_method, preprocess="tests.owner_hooks:gated",
+                  initializer="tests.owner_hooks:hold_rebuilt", initargs=(str(tmp),), queue_capacity=64, **stacked)
+
+
+@pytest.mark.parametrize("where,kind", CASES, ids=[f"{w.replace(' ', '-')}-{k}" for w, k in CASES])
+def test_cancel_anywhere_leaves_the_others_and_the_engine_whole(models, tmp_path, start_method, where, kind):
+    with build(models, tmp_path, kind, start_method) as eng:
+        want = reference(eng)
+        case = Case(eng, tmp_path, where, kind)
+        case.run_up_to_the_death()
+        if where == "queued":
+            case.victim = case.submit(case.victim_item(), chunk=kind == "chunk")
+            for _ in range({"single": 0, "stacked": BATCH}.get(kind, 1)):  # mates: they would go together
+                case.others.append(case.submit(case.item()))
+            case.cancel_victim()
+        elif where == "replay":
+            case.cancel_victim()
+        (tmp_path / "hold-2").unlink()  # 3: worker 2 replays
+        if where == "grouped":
+            wait_until((tmp_path / "gate-s.in").exists, "S in hand, V behind it in its batch")
+            case.cancel_victim()
+        elif where == "in hand":
+            wait_until((tmp_path / "gate-v.in").exists, "V in hand")
+            case.cancel_victim()
+        for gate in ("gate-s", "gate-v"):
+            (tmp_path / gate).unlink()
+        results = [f.result(timeout=DEADLOCK_S) for f in case.others]
+        after = reference(eng)  # the engine keeps serving
+        st = eng.stats()
+    for r in results:
+        for outs in [r.outputs] if isinstance(r.outputs, dict) else packing.chunk_items(r.outputs):  # (a chunk)
+            np.testing.assert_allclose(outs["probs"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(after, want)
+    assert st.restarts == 1
+    assert (st.completed, st.failed, st.cancelled) == (len(results) + 2, 0, 1)  # each ended once
+    assert st.accepted == st.completed + st.failed + st.cancelled
+    assert st.shm_inputs_used == 0, "an input lease leaked"
+
+
+@pytest.mark.parametrize("kind", ["group", "stacked"])
+def test_cancelled_replays_are_never_sent_again(models, tmp_path, kind):
+    """The issue's case, many times over: half a dead worker's batch is cancelled while it
+    waits to replay, and new tasks lease inputs meanwhile (the freed memory is reused at
+    once). A cancelled task's inputs are freed then, so it must never reach a worker: it did,
+    and the answer of a task the supervisor no longer held failed every task with
+    EngineInternalError."""
+    with build(models, tmp_path, kind, "forkserver") as eng:
+        case = Case(eng, tmp_path, "replay", kind)
+        case.run_up_to_the_death()
+        batch = case.others[1:]  # K and seven mates; the victim of the case too
+        victims = [*batch[1::2], case.victim]
+        assert all(eng.cancel(f) for f in victims)
+        fresh = [eng.submit({"x": X + i}) for i in range(1, BATCH + 1)]
+        (tmp_path / "hold-2").unlink()
+        for gate in ("gate-s", "gate-v"):
+            (tmp_path / gate).unlink()
+        kept = [f.result(timeout=DEADLOCK_S) for f in [*batch[0::2], *fresh]]
+        for f in victims:
+            with pytest.raises(TaskCancelled):
+                f.result(timeout=DEADLOCK_S)
+        want = [reference(eng)] * len(batch[0::2]) + [reference(eng, X + i) for i in range(1, BATCH + 1)]
+        st = eng.stats()
+    for r, w in zip(kept, want, strict=True):
+        np.testing.assert_allclose(r.outputs["probs"], w, rtol=1e-5, atol=1e-6)
+    assert st.cancelled == len(victims) and st.failed == 0 and st.shm_inputs_used == 0
