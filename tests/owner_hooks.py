@@ -99,3 +99,8 @@ def shrink_then_hold(directory: str) -> None:
     """An initializer: tiny socket buffers on the worker's end, then hold_rebuilt."""
     shrink_sockets()
     hold_rebuilt(directory)
+
+
+def upper_line(line: str) -> str:
+    """A preprocess for `slabpool run --text` with no model: a string back, as long as the line."""
+    return line.upper()

@@ -19,18 +19,26 @@ _LONG = struct.Struct("!Q")
 CHUNK = 256 * 1024  # bytes asked for per read(); a longer frame arrives over several reads
 
 
+def head(size: int) -> bytes:
+    """The header of a frame of `size` bytes (what Connection.send_bytes writes before it)."""
+    return _HEAD.pack(size) if size <= 0x7FFFFFFF else _HEAD.pack(-1) + _LONG.pack(size)
+
+
 class FrameReader:
-    """The reading side of one end of a pipe (the fd stays blocking: the writer shares it)."""
+    """The reading side of one end of a pipe."""
 
     def __init__(self, fd: int) -> None:
-        self.fd = fd
+        self.fd = fd  # blocking on the worker's side; the supervisor's end does not block
         self._buf = bytearray()
         self._frames: list[bytes] = []  # complete frames not yet handed out by recv()
 
     def read(self) -> list[bytes]:
         """One read() (the caller knows the fd is readable: it never blocks then), and every
         frame it completed. EOFError when the other end is closed and nothing is left."""
-        chunk = os.read(self.fd, CHUNK)
+        try:
+            chunk = os.read(self.fd, CHUNK)
+        except BlockingIOError:  # (a non-blocking end woken for writing, or spuriously)
+            return []
         if not chunk:
             raise EOFError("the other end of the pipe is closed")
         self._buf += chunk

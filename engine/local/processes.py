@@ -50,6 +50,8 @@ class SlotProcesses:
         self.cfg, self.inputs, self.outputs = cfg, inputs, outputs
         self.ctx, self.boot = ctx, boot
         self.slots = [Slot(i) for i in range(cfg.workers)]
+        for slot in self.slots:
+            slot.on_backlog = self._on_backlog
         self.specs: list[SessionSpec | None] = [cfg.session_spec()] * cfg.workers  # per slot
         self.info: SessionInfo | None = None  # the session's description, from the first Ready
         self._status_lease = outputs.lease(64 * cfg.workers)
@@ -156,7 +158,8 @@ class SlotProcesses:
 
     def _sync_watch(self) -> None:
         """Bring the persistent selector in line with the live pipes and sentinels. Only after
-        a spawn, a death or a closed pipe: a fresh poll set per step cost a third of the loop."""
+        a spawn, a death or a closed pipe: a fresh poll set per step cost a third of the loop.
+        A pipe is watched for writing too while its slot's outbox holds something."""
         want: dict[int, tuple[Any, ...]] = {self._wake_r: ("wake", None, None)}
         for s in self.slots:
             if s.conn is not None:
@@ -172,9 +175,30 @@ class SlotProcesses:
                 del self._watched[fd]
         for fd, data in want.items():
             if fd not in self._watched:
-                self._selector.register(fd, selectors.EVENT_READ, data)
+                self._selector.register(fd, _events(data), data)
                 self._watched[fd] = data
         self._watch_dirty = False
+
+    def _on_backlog(self, slot: Slot) -> None:
+        """A slot's outbox holds what its pipe did not take: watch the pipe for writing."""
+        self._set_writing(slot, True)
+
+    def _flush(self, slot: Slot) -> None:
+        """Its pipe is writable: write what waits; stop watching for writing once all is out."""
+        if slot.flush():
+            self._set_writing(slot, False)
+
+    def _set_writing(self, slot: Slot, on: bool) -> None:
+        if slot.conn is None:
+            return
+        fd = slot.conn.fileno()
+        data = self._watched.get(fd)
+        if data is None:
+            self._watch_dirty = True  # registered with its outbox's events on the next sync
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        if self._selector.get_key(fd).events != events:
+            self._selector.modify(fd, events, data)
 
     def _forget(self, fd: int) -> None:
         """Unwatch an fd before it is closed (its number may be reused at once)."""
@@ -229,3 +253,11 @@ def _unreported(start_method: str) -> str:
     return (f" No error came back: most likely an exception was raised while multiprocessing started it "
             f"(start_method={start_method!r}), before slabpool's code ran there: {where}unpickling the "
             "initializer's initargs. Its traceback is on the worker's stderr, above.")
+
+
+def _events(data: tuple[Any, ...]) -> int:
+    """What to watch an fd for: a slot's pipe also for writing while its outbox is not empty."""
+    slot = data[1]
+    if data[0] == "conn" and slot.outbox:
+        return selectors.EVENT_READ | selectors.EVENT_WRITE
+    return selectors.EVENT_READ

@@ -2,6 +2,11 @@
 
 The head of `batches` is the one running; the rest were sent ahead and wait in the pipe.
 A slot is rebuilt in place: same index, new process, new pipe, new incarnation number.
+
+The supervisor never blocks writing a pipe: its end does not block, and what the pipe does not
+take now waits in the slot's `outbox`, written when the selector says the pipe is writable. A
+worker blocked sending its BatchDone (or its log records) is then always read, whatever the
+sizes: two ends that both block on a send while neither reads would wait for ever.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -21,7 +27,7 @@ from slabpool.engine.local.forks import WORKER_NAME
 from slabpool.shm.mapping import PassFd
 from slabpool.workers.main import SealedBoot, WorkerBoot, main
 from slabpool.workers.protocol import SessionInfo, encode
-from slabpool.workers.wire import FrameReader
+from slabpool.workers.wire import FrameReader, head
 
 
 class Slot:
@@ -48,6 +54,8 @@ class Slot:
         self.stalled_since: float | None = None  # its running batch made no progress for stall_after
         self.rss = 0
         self.model_version = ""
+        self.outbox = bytearray()  # frames written to the pipe only in part, or not yet
+        self.on_backlog: Callable[[Slot], None] = _no_backlog  # told when the outbox fills
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -66,8 +74,10 @@ class Slot:
         )
         proc.start()
         child.close()
+        os.set_blocking(parent.fileno(), False)
         self.process, self.conn, self.pid = proc, parent, proc.pid or 0
         self.reader = FrameReader(parent.fileno())
+        self.outbox = bytearray()
         self.batches.clear()
         self.incarnation_done = 0
         self.init_error = None
@@ -81,14 +91,45 @@ class Slot:
         return self.send_bytes(encode(msg))
 
     def send_bytes(self, data: bytes) -> bool:
-        """Send an encoded message; False if the pipe is broken."""
+        """Send an encoded message without blocking: what the pipe does not take now waits in
+        the outbox, in order (see `flush`). False if the pipe is broken."""
         if self.conn is None:
             return False
-        try:
-            self.conn.send_bytes(data)
+        if self.outbox:  # behind what waits already
+            self.outbox += head(len(data))
+            self.outbox += data
             return True
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        frame = head(len(data))
+        try:
+            n = os.writev(self.conn.fileno(), (frame, data))
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            return False  # the worker is dying: its sentinel fires
+        if n < len(frame) + len(data):
+            if n < len(frame):
+                self.outbox += frame[n:]
+                self.outbox += data
+            else:
+                self.outbox += memoryview(data)[n - len(frame) :]
+            self.on_backlog(self)
+        return True
+
+    def flush(self) -> bool:
+        """Write what the pipe takes of the outbox now (it said it is writable); True once the
+        outbox is empty. A broken pipe empties it: the worker is dying, nothing will read."""
+        if self.conn is None:
+            self.outbox.clear()
+            return True
+        try:
+            n = os.write(self.conn.fileno(), self.outbox)
+        except BlockingIOError:
             return False
+        except OSError:
+            self.outbox.clear()
+            return True
+        del self.outbox[:n]
+        return not self.outbox
 
     def kill(self, reason: KillReason, grace: float = 0.5) -> None:
         """SIGTERM now, SIGKILL after `grace`: the only way to stop code that will not return."""
@@ -118,6 +159,7 @@ class Slot:
             self.conn.close()
         self.process.close()
         self.process, self.conn, self.reader = None, None, None
+        self.outbox = bytearray()  # nobody will read it
         return code
 
     # -- views --------------------------------------------------------------------------------
@@ -128,3 +170,7 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"<Slot {self.index} {self.state.name} pid={self.pid} holds={len(self.batches)}>"
+
+
+def _no_backlog(slot: Slot) -> None:
+    """Until the owner of the selector says whom to tell."""

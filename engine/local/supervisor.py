@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import time
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
@@ -56,6 +57,7 @@ from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine")
 MAX_STARTUP_FAILURES = 5
+SHUTDOWN_GRACE = 5.0  # seconds a worker has to exit on Shutdown before SIGKILL
 
 
 class Supervisor(Dispatcher, OwnerThread):
@@ -101,7 +103,10 @@ class Supervisor(Dispatcher, OwnerThread):
         if self._watch_dirty:
             self._sync_watch()
         events = self._selector.select(self._next_timer(now))
-        ready = {key.data for key, _ in events}
+        ready = {key.data for key, mask in events if mask & selectors.EVENT_READ}
+        for key, mask in events:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(key.data[1])  # what waits in its outbox, before anything new
         if ("wake", None, None) in ready:
             os.read(self._wake_r, 4096)
             self._wake_pending = False  # after the read: a wake() from here on writes again,
@@ -408,19 +413,36 @@ class Supervisor(Dispatcher, OwnerThread):
                 slot.kill(KillReason.SHUTDOWN, grace=0.0)
 
     def _shutdown_slots(self) -> None:
-        """Stop every worker: Shutdown, a grace, then SIGKILL; reap all; release every lease."""
+        """Stop every worker: Shutdown, a grace, then SIGKILL; reap all; release every lease.
+        Their pipes are read and written meanwhile: a worker blocked sending would otherwise
+        never take its Shutdown."""
         for slot in self.slots:
             if slot.process is not None and slot.kill_reason is None:
                 slot.kill_reason = KillReason.SHUTDOWN
                 slot.send(Shutdown())
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        while any(s.process is not None for s in self.slots) and time.monotonic() < deadline:
+            self._pump(deadline - time.monotonic())
         for slot in self.slots:
-            if slot.process is None:
-                continue
-            slot.process.join(max(deadline - time.monotonic(), 0.0))
-            if slot.process.exitcode is None:
+            if slot.process is not None:
                 slot.escalate()
-            self._on_death_final(slot)
+                self._on_death_final(slot)
+
+    def _pump(self, timeout: float) -> None:
+        """One wait of the stop path: read, write, and reap whatever is ready."""
+        if self._watch_dirty:
+            self._sync_watch()
+        for key, mask in self._selector.select(max(timeout, 0.0)):
+            kind, slot, obj = key.data
+            if kind == "wake":
+                os.read(self._wake_r, 4096)
+            elif kind == "conn" and slot.conn is obj:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(slot)
+                if mask & selectors.EVENT_READ:
+                    self._drain(slot)
+            elif kind == "exit" and slot.process is obj:
+                self._on_death_final(slot)
 
     def _on_death_final(self, slot: Slot) -> None:
         if slot.conn is not None:
