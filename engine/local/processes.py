@@ -13,6 +13,7 @@ import logging
 import os
 import selectors
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -60,6 +61,10 @@ class SlotProcesses:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
+        # closed under this lock, and never written once closed (CPython's _ThreadWakeup): a
+        # caller's late wake() must not write into an fd number that something else now holds
+        self._wake_lock = threading.Lock()
+        self._wake_closed = False
         self._selector = selectors.DefaultSelector()
         self._watched: dict[int, tuple[Any, ...]] = {}
         self._watch_dirty = True  # set whenever a pipe or a process comes or goes
@@ -150,11 +155,14 @@ class SlotProcesses:
     def wake(self) -> None:
         if self._wake_pending:
             return  # a byte is already on its way: one wake-up serves every caller before it
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # already awake, or shutting down
+        with self._wake_lock:
+            if self._wake_closed:
+                return  # the loop has stopped: nothing to wake
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: it is awake already
 
     def _sync_watch(self) -> None:
         """Bring the persistent selector in line with the live pipes and sentinels. Only after
@@ -216,12 +224,13 @@ class SlotProcesses:
             self._forget(slot.process.sentinel)
 
     def _close_wakeup(self) -> None:
-        self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
+        with self._wake_lock:
+            if self._wake_closed:
+                return
+            self._wake_closed = True
+            self._selector.close()
+            for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
-            except OSError:
-                pass
 
     def close_resources(self) -> None:
         self._close_wakeup()
