@@ -5,11 +5,18 @@ ends, every arena is freed, close(timeout=) returns."""
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.local.supervisor import MAX_STARTUP_FAILURES
+from slabpool.workers.errors import SessionInitError
+from slabpool.workers.protocol import FaultSpec
+from tests.owner_hooks import DEADLOCK_S
+from tests.test_cancel_replay import wait_until
 
 X = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
 
@@ -37,3 +44,58 @@ def test_a_late_wake_never_writes_into_an_fd_reused_after_the_stop(models):
         for r, w in held:
             os.close(r)
             os.close(w)
+
+
+def _crash_then_hold(models, tmp_path, start_method, **kw):
+    """An engine whose worker 2 (the first rebuilt) never finishes its initializer: worker 1
+    is killed by its task, worker 2 waits on hold-2 (the hook's own deadline is long past
+    startup_timeout)."""
+    eng = Engine(models.mlp, workers=1, start_method=start_method, initializer="tests.owner_hooks:hold_rebuilt",
+                 initargs=(str(tmp_path),), _fault_injection=True, **kw)
+    (tmp_path / "hold-2").touch()
+    killer = eng.submit(X, _fault=FaultSpec("run", "sigkill", str(tmp_path / "fired")))
+    wait_until((tmp_path / "started-2").exists, "worker 2 in its initializer")
+    return eng, killer
+
+
+def test_a_rebuilt_worker_that_never_starts_is_bounded_by_startup_timeout(models, tmp_path, start_method, caplog):
+    """startup_timeout held only at construction: the slot stayed STARTING for ever, its
+    queued tasks never ran, close() never returned. Now the start-up is killed at the limit
+    and retried after a back-off; worker 3 starts, and every task completes."""
+    eng, killer = _crash_then_hold(models, tmp_path, start_method, startup_timeout=8.0)
+    with eng:
+        futs = [eng.submit(X) for _ in range(4)]
+        results = [f.result(timeout=DEADLOCK_S) for f in [killer, *futs]]
+        st = eng.stats()
+    assert all(r.outputs["probs"].shape == (2, 8) for r in results) and results[0].attempts == 2
+    assert (tmp_path / "started-3").exists() and st.restarts == 2 and st.failed == 0
+    assert any("startup_timeout=8.0 s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_slot_that_never_starts_fails_the_engine_clearly(models, tmp_path):
+    """Every rebuild hangs: after MAX_STARTUP_FAILURES the engine fails, each task with a
+    SessionInitError that says why; close() returns."""
+    for k in range(2, 2 + MAX_STARTUP_FAILURES):
+        (tmp_path / f"hold-{k}").touch()
+    eng, killer = _crash_then_hold(models, tmp_path, "forkserver", startup_timeout=3.0)
+    with eng:
+        waiting = [eng.submit(X) for _ in range(3)]
+        for f in [killer, *waiting]:
+            with pytest.raises(SessionInitError, match=r"startup_timeout=3\.0 s"):
+                f.result(timeout=DEADLOCK_S)
+
+
+@pytest.mark.parametrize("timeout", [0.5, 3.0])
+def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_path, timeout):
+    """A slot held in STARTING with tasks waiting for it: close(timeout=) returns, every
+    Future has ended (cancelled), and nothing is left (the conftest checks)."""
+    eng, killer = _crash_then_hold(models, tmp_path, "forkserver")
+    waiting = [eng.submit(X) for _ in range(3)]
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (eng.close(timeout=timeout), done.set()), daemon=True)
+    closer.start()
+    assert done.wait(DEADLOCK_S), "close(timeout=) never returned"
+    for f in [killer, *waiting]:
+        with pytest.raises(CancelledError):
+            f.result(timeout=DEADLOCK_S)
+    eng._sup.join(DEADLOCK_S)  # the workers' stop may finish after close() returned

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import threading
 import weakref
@@ -35,6 +36,8 @@ from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import FaultSpec, SessionInfo, TensorSpec
 from slabpool.workers.session import SessionSpec, detect_backend, model_digest
+
+log = logging.getLogger("slabpool.engine")
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
@@ -175,7 +178,8 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting; drain (or cancel what is queued); stop every slot; free what the
         engine holds. Idempotent, callable from any thread and from a Future's done-callback.
-        `timeout`: then what still runs is cancelled and its slots stopped."""
+        `timeout`: then what still runs is cancelled and its slots stopped; it returns within
+        `timeout` even so (the last of it, stopping the workers, may then go on in the background)."""
         if self._inherited:  # a forked child's copy: the workers and memory are the parent's
             return
         self._stop_accepting()
@@ -183,9 +187,15 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         owner.call(owner.close, cancel_pending)
         if owner.on_thread:  # from a done-callback: the loop finishes the job
             return
-        if not owner.join(timeout):
-            owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+        if timeout is None:
             owner.join(None)
+        else:  # the last fifth of the time (2 s at most) is kept to cancel what runs, stop its slots
+            stop_s = min(timeout / 5, 2.0)
+            if not owner.join(timeout - stop_s):
+                owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+                if not owner.join(stop_s):
+                    log.warning("close(timeout=%s) returns while the workers are still being stopped", timeout)
+                    return
         self._after_close()
 
     def _after_close(self) -> None:

@@ -130,6 +130,7 @@ class SlotProcesses:
         boot = self.boot(slot.index, slot.incarnation + 1, self.specs[slot.index], self.status_offset(slot.index))
         slot.spawn(self.ctx, boot, self.inputs.fd, self.outputs.fd)
         slot.spec = self.specs[slot.index]
+        slot.ready_by = time.monotonic() + self.cfg.startup_timeout  # a rebuild is bounded like the first start
 
     def respawn(self, slot: Slot) -> None:
         """Rebuild a dead slot now (no back-off)."""

@@ -48,6 +48,7 @@ class Slot:
         self.init_error: Any = None  # the InitFailed error of the current incarnation
         self.spec: Any = None  # the SessionSpec the current incarnation was started on
         self.respawn_at: float | None = None
+        self.ready_by: float | None = None  # STARTING: killed if not READY by then (startup_timeout)
         self.kill_reason: KillReason | None = None  # why we are killing it (None: we are not)
         self.kill_escalate_at: float | None = None
         self.retiring = False

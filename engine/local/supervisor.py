@@ -159,6 +159,7 @@ class Supervisor(Dispatcher, OwnerThread):
             )
         elif isinstance(msg, Ready):
             slot.move(SlotState.READY)
+            slot.ready_by = None
             slot.pid = msg.pid
             slot.startup_failures = 0
             if msg.info is not None:
@@ -258,10 +259,11 @@ class Supervisor(Dispatcher, OwnerThread):
         slot.batches.clear()
         if slot.state is not SlotState.DEAD:
             slot.move(SlotState.DEAD)
-        if was_starting and expected is None:
-            if self.reload is not None and self.reload.on_start_failed(self, slot, self._init_error(slot, code)):
+        if was_starting and expected in (None, KillReason.STARTUP_FAILED):
+            error = self._startup_error(slot, code, expected)
+            if self.reload is not None and self.reload.on_start_failed(self, slot, error):
                 return
-            self._on_startup_death(slot, code)
+            self._on_startup_death(slot, error)
             return
         if expected is not None and expected.planned:
             log.info("slot %d retired (pid %d)", slot.index, pid)
@@ -303,10 +305,16 @@ class Supervisor(Dispatcher, OwnerThread):
                 t.move(TaskState.QUEUED)
         return plan.replays
 
-    def _on_startup_death(self, slot: Slot, code: int | None) -> None:
+    def _startup_error(self, slot: Slot, code: int | None, expected: KillReason | None) -> E.SessionInitError:
+        if expected is KillReason.STARTUP_FAILED:
+            return E.SessionInitError(
+                f"slot {slot.index} (pid {slot.pid}) was not ready within startup_timeout="
+                f"{self.cfg.startup_timeout} s (its initializer or session build did not finish); it was killed")
+        return self._init_error(slot, code)
+
+    def _on_startup_death(self, slot: Slot, error: E.SessionInitError) -> None:
         slot.startup_failures += 1
         slot.restarts += 1
-        error = self._init_error(slot, code)
         if slot.startup_failures >= MAX_STARTUP_FAILURES:
             self._fail(E.SessionInitError(
                 f"slot {slot.index} failed to start {slot.startup_failures} times in a row; the engine "
@@ -321,7 +329,8 @@ class Supervisor(Dispatcher, OwnerThread):
     def _next_timer(self, now: float) -> float | None:
         times = [self.queue.next_deadline(), self._batch_ready_at]
         for s in self.slots:
-            times += [s.respawn_at, s.kill_escalate_at, watchdog.time_limit(self.cfg, s, self.status[s.index]),
+            times += [s.respawn_at, s.kill_escalate_at, s.ready_by if s.state is SlotState.STARTING else None,
+                      watchdog.time_limit(self.cfg, s, self.status[s.index]),
                       watchdog.stall_at(self.cfg, s)]
         due = [t for t in times if t is not None]
         return max(min(due) - now, 0.0) if due else None
@@ -363,6 +372,9 @@ class Supervisor(Dispatcher, OwnerThread):
         for slot in self.slots:
             if slot.kill_escalate_at is not None and now >= slot.kill_escalate_at:
                 slot.escalate()
+            if slot.state is SlotState.STARTING and slot.ready_by is not None and now >= slot.ready_by:
+                slot.ready_by = None
+                slot.kill(KillReason.STARTUP_FAILED, grace=0.5)  # its death is a start-up failure
             limit = watchdog.time_limit(self.cfg, slot, self.status[slot.index])
             if limit is not None and now >= limit:
                 slot.kill(KillReason.TIMEOUT)
@@ -417,7 +429,9 @@ class Supervisor(Dispatcher, OwnerThread):
         Their pipes are read and written meanwhile: a worker blocked sending would otherwise
         never take its Shutdown."""
         for slot in self.slots:
-            if slot.process is not None and slot.kill_reason is None:
+            if slot.process is not None and slot.state is SlotState.STARTING:
+                slot.escalate()  # it holds nothing, and may never read a Shutdown (a hung initializer)
+            elif slot.process is not None and slot.kill_reason is None:
                 slot.kill_reason = KillReason.SHUTDOWN
                 slot.send(Shutdown())
         deadline = time.monotonic() + SHUTDOWN_GRACE
