@@ -4,9 +4,13 @@ ends, every arena is freed, close(timeout=) returns."""
 
 from __future__ import annotations
 
+import ast
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import CancelledError
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from slabpool import Engine
 from slabpool.engine.local.supervisor import MAX_STARTUP_FAILURES
 from slabpool.workers.errors import SessionInitError
 from slabpool.workers.protocol import FaultSpec
+from tests.models import onnx_models
 from tests.owner_hooks import DEADLOCK_S
 from tests.test_cancel_replay import wait_until
 
@@ -99,3 +104,52 @@ def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_p
         with pytest.raises(CancelledError):
             f.result(timeout=DEADLOCK_S)
     eng._sup.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
+
+
+OOM_SCRIPT = '''
+import os, resource, sys
+import numpy as np
+from slabpool import Engine
+
+def main():
+    big = np.ones((4 << 20, 4), np.float32)  # 64 MiB in; its 64 MiB out cannot be copied out
+    small = np.ones((2, 4), np.float32)
+    eng = Engine(sys.argv[1], workers=2, start_method=sys.argv[2], shm_capacity=512 << 20)
+    eng.infer(small)
+    vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))  # a real limit
+    futs = [eng.submit(big if i % 3 == 0 else small) for i in range(30)]
+    outcomes = []
+    for f in futs:
+        try:
+            outcomes.append(f.result(timeout=60).outputs["y"].shape[0])
+        except Exception as exc:
+            outcomes.append(type(exc).__name__ + ": " + str(exc)[:80])
+    eng.close(timeout=60)
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]
+    print(repr((outcomes, eng.state.name, sum(t.startswith("/memfd:slabpool") for t in fds))))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_out_of_memory_copying_one_tasks_outputs_fails_that_task_alone(models, tmp_path, start_method):
+    """A real MemoryError (RLIMIT_AS in a process of its own) while copying outputs out: it
+    failed the supervisor, recurred in the stop path, and left Futures pending, the engine
+    DRAINING and its memfds held. Now the task whose outputs cannot be copied fails alone,
+    the others complete, and the engine closes and frees everything."""
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_SCRIPT)
+    model = onnx_models.identity(tmp_path / "id.onnx", dim=4)
+    proc = subprocess.run([sys.executable, str(script), str(model), start_method], capture_output=True, text=True,
+                          timeout=DEADLOCK_S, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes, state, memfds = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    for i, got in enumerate(outcomes):
+        if i % 3 == 0:
+            assert got.startswith("TaskDataError") and "ran out of memory" in got, got
+        else:
+            assert got == 2
+    assert (state, memfds) == ("CLOSED", 0)

@@ -57,6 +57,8 @@ from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine")
 MAX_STARTUP_FAILURES = 5
+# made now: when nothing else can be made (no memory), a Future left pending still ends with it
+_STOP_FAILED = E.EngineInternalError("the engine's stop failed before this task ended (see the log)")
 SHUTDOWN_GRACE = 5.0  # seconds a worker has to exit on Shutdown before SIGKILL
 
 
@@ -90,13 +92,41 @@ class Supervisor(Dispatcher, OwnerThread):
     # -- the loop ------------------------------------------------------------------------------
 
     def _stopped(self) -> None:
-        """After the loop: stop every worker, end what is left, let the arenas go."""
+        """After the loop: stop every worker, end what is left, let the arenas go. No step
+        can stop the others (an engine that failed of a MemoryError meets it again here):
+        each is contained, and every Future ends whatever happened before."""
+        for step in (self._abort_reload, self._shutdown_slots, self._end_the_rest, self.flush,
+                     self._drop_status, self.on_stopped):
+            try:
+                step()
+            except BaseException:  # logged; the next step runs still
+                log.exception("stopping the engine: %s failed", step.__name__)
+        self._last_resort()
+
+    def _abort_reload(self) -> None:
         if self.reload is not None:
             self.reload.abort(E.EngineClosed("the engine closed during the reload"))
-        self._shutdown_slots()
-        self.flush()
-        del self.status  # the last view into an arena: they can be unmapped now
-        self.on_stopped()
+
+    def _end_the_rest(self) -> None:
+        """Whatever has not ended (the loop failed before it could end it) ends now."""
+        why = self.failure or E.EngineClosed("the engine stopped before this task ended")
+        for task in self.queue.drain_all() + list(self._unfinished.values()):
+            self.finish(task, error=why)
+
+    def _drop_status(self) -> None:
+        if hasattr(self, "status"):
+            del self.status  # the last view into an arena: they can be unmapped now
+
+    def _last_resort(self) -> None:
+        """Futures that no step could end (finish itself failed) end with an error made
+        before anything could fail."""
+        futures = [t.future for t in self._unfinished.values()] + [c[0] for c in self._completions]
+        for fut in futures:
+            try:
+                if not fut.done():
+                    fut.set_exception(_STOP_FAILED)
+            except BaseException:  # noqa: BLE001 - it ended meanwhile
+                continue
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -206,17 +236,7 @@ class Supervisor(Dispatcher, OwnerThread):
             packed = outcome.outputs
             assert packed is not None
             used += packing.region_size(packed)
-            if type(packed.skeleton) is not FlatSkeleton:
-                try:  # made by user code: it may not unpickle here; that task alone fails
-                    packed = open_result(packed)
-                except E.TaskDataError as exc:
-                    self.finish(task, error=E.TaskDataError(f"task {task.id}: {exc}", task_id=task.id))
-                    continue
-            t0 = time.perf_counter()
-            outputs = packing.unpack(packed, self.outputs.array, copy=True, items=False)  # step 8
-            copy_s = time.perf_counter() - t0
-            self.finish(task, result=task.result(outputs, slot.model_version, slot.index, slot.pid,
-                                                 msg.run_s / len(batch.tasks), copy_s, now))
+            self._deliver(slot, task, packed, msg.run_s / len(batch.tasks), now)
         if not split:  # (a split batch's sizes were learnt from its NeedOutput)
             self.regions.observed(batch, used)
         if msg.in_place:
@@ -225,6 +245,26 @@ class Supervisor(Dispatcher, OwnerThread):
         if split:
             self._requeue_apart(batch, split)
         self._after_batch(slot, now)
+
+    def _deliver(self, slot: Slot, task: Task, packed: Any, run_s: float, now: float) -> None:
+        """Step 8 for one task: open its result, copy its outputs out; what fails here (a
+        result that does not unpickle, no memory left in this process for the copy) fails
+        that task alone."""
+        t0 = time.perf_counter()
+        try:
+            if type(packed.skeleton) is not FlatSkeleton:
+                packed = open_result(packed)  # made by user code: it may not unpickle here
+            outputs = packing.unpack(packed, self.outputs.array, copy=True, items=False)  # step 8
+        except E.TaskDataError as exc:
+            self.finish(task, error=E.TaskDataError(f"task {task.id}: {exc}", task_id=task.id))
+            return
+        except MemoryError:
+            self.finish(task, error=E.TaskDataError(
+                f"task {task.id}: this process ran out of memory copying its outputs "
+                f"({packing.region_size(packed)} bytes) out of shared memory", task_id=task.id))
+            return
+        copy_s = time.perf_counter() - t0
+        self.finish(task, result=task.result(outputs, slot.model_version, slot.index, slot.pid, run_s, copy_s, now))
 
     def _after_batch(self, slot: Slot, now: float) -> None:
         if slot.batches:
