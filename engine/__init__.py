@@ -56,7 +56,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   8-9 and the crash path a-d), built on `dispatcher.Dispatcher` (steps 3-4, 9's leases) and
   `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
   rebuild, retire); `regions` sizes output regions (7), `watchdog` times out and revokes,
-  `slot.Slot` is one worker process and its pipe, `reload` swaps the model slot by slot.
+  `slot.Slot` is one worker process and its pipe (the supervisor never blocks writing it: what
+  the pipe does not take waits in the slot's outbox until the selector says writable), `reload` swaps the model slot by slot.
 - `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core; its `reload`
   starts each slot's new actor next to the old one.
 - `engine.job`: the batch job, `slabpool run`.
