@@ -19,8 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, Protocol, Self
 
-import numpy as np
-
 from slabpool.engine.caller import blocks
 from slabpool.engine.caller.aio import AsyncEngineMixin
 from slabpool.engine.caller.calls import CheckedConstructor, public
@@ -309,41 +307,7 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
             return self._submit_rows(blocks.slice_rows(arrays, lo, hi), context, block_timeout, step)
 
         self._tally(accepted=n)
-        outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
-        errors: dict[int, BaseException] = {}
-        settled = 0
-        try:
-            for piece in blocks.run_blocks(submit, [(0, n)], sizer, window):
-                settled += piece.hi - piece.lo
-                if piece.error is not None:
-                    errors.update((i, piece.error) for i in range(piece.lo, piece.hi))
-                    self._tally(failed=piece.hi - piece.lo)
-                    continue
-                assert piece.outputs is not None
-                if outputs is None:
-                    if piece.hi - piece.lo == n:
-                        outputs = piece.outputs  # one block: its arrays as they are
-                    else:  # copied in as blocks come back, while the workers run the next ones
-                        outputs = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in piece.outputs.items()}
-                if outputs is not piece.outputs:
-                    for k, v in piece.outputs.items():
-                        outputs[k][piece.lo : piece.hi] = v
-                self._tally(completed=piece.hi - piece.lo)
-        finally:
-            if settled < n:
-                self._tally(cancelled=n - settled)
-        if not errors:
-            assert outputs is not None
-            return outputs
-        rows = sorted(errors)
-        if outputs is not None:  # failed rows: NaN, 0 for integers
-            for v in outputs.values():
-                v[rows] = np.nan if v.dtype.kind in "fc" else 0
-        first = errors[rows[0]]
-        raise E.RowsFailed(
-            f"{len(rows)} of {n} rows failed (first: row {rows[0]}, {type(first).__name__}: "
-            f"{(str(first).splitlines() or [''])[0]}); .rows, .errors and .outputs hold the rest",
-            rows=rows, errors=errors, outputs=outputs)
+        return blocks.gather(blocks.run_blocks(submit, [(0, n)], sizer, window), n, self._tally)
 
     def _check_blockable(self, arrays: dict[str, Any]) -> None:
         """Rows can go in blocks when every model input has a dynamic axis 0 (or a preprocess

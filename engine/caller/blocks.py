@@ -246,3 +246,45 @@ def _block_outputs(outputs: Any, rows: int) -> dict[str, Array]:
             raise E.EngineError(f"output {name!r} of a block of {rows} rows has shape {v.shape}: rows must "
                                 "lie on axis 0 (a model whose outputs have no batch axis cannot go by blocks)")
     return outputs
+
+
+def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None]) -> dict[str, Array]:
+    """Infer's rows put back together: each piece's outputs copied into place as it comes back
+    (while the workers run the next ones), `tally` told what each piece did. The outputs of
+    all `n` rows, or RowsFailed with each failed row's own error and the other rows' outputs
+    (failed rows NaN, 0 for integer outputs)."""
+    outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
+    errors: dict[int, BaseException] = {}
+    settled = 0
+    try:
+        for piece in pieces:
+            settled += piece.hi - piece.lo
+            if piece.error is not None:
+                errors.update((i, piece.error) for i in range(piece.lo, piece.hi))
+                tally(failed=piece.hi - piece.lo)
+                continue
+            assert piece.outputs is not None
+            if outputs is None:
+                if piece.hi - piece.lo == n:
+                    outputs = piece.outputs  # one block: its arrays as they are
+                else:  # copied in as blocks come back, while the workers run the next ones
+                    outputs = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in piece.outputs.items()}
+            if outputs is not piece.outputs:
+                for k, v in piece.outputs.items():
+                    outputs[k][piece.lo : piece.hi] = v
+            tally(completed=piece.hi - piece.lo)
+    finally:
+        if settled < n:
+            tally(cancelled=n - settled)
+    if not errors:
+        assert outputs is not None
+        return outputs
+    rows = sorted(errors)
+    if outputs is not None:  # failed rows: NaN, 0 for integers
+        for v in outputs.values():
+            v[rows] = np.nan if v.dtype.kind in "fc" else 0
+    first = errors[rows[0]]
+    raise E.RowsFailed(
+        f"{len(rows)} of {n} rows failed (first: row {rows[0]}, {type(first).__name__}: "
+        f"{(str(first).splitlines() or [''])[0]}); .rows, .errors and .outputs hold the rest",
+        rows=rows, errors=errors, outputs=outputs)

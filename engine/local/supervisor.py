@@ -9,7 +9,7 @@ admission queue, hand the thread callables (`call`), and wake it.
 
 What it decides with, kept apart: dispatch limits (engine.core.dispatch, pure), who is charged
 after a death (engine.core.recovery, pure), output regions (engine.local.regions), overdue and
-stalled work (engine.local.watchdog); each slot's process and pipe: engine.local.slot.
+stalled work (engine.local.watchdog), the stop path (engine.local.stopping); each slot's process and pipe: engine.local.slot.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 from slabpool.engine.core import recovery
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import EngineConfig
-from slabpool.engine.core.ledger import cancelled, crash_error
+from slabpool.engine.core.ledger import crash_error
 from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import KillReason, SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.local import watchdog
+from slabpool.engine.local import stopping, watchdog
 from slabpool.engine.local.dispatcher import Dispatcher
 from slabpool.engine.local.reload import Reload
 from slabpool.engine.local.slot import Slot
@@ -49,7 +49,6 @@ from slabpool.workers.protocol import (
     Ready,
     Revoke,
     SessionInfo,
-    Shutdown,
     decode,
     open_result,
 )
@@ -57,9 +56,6 @@ from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine")
 MAX_STARTUP_FAILURES = 5
-# made now: when nothing else can be made (no memory), a Future left pending still ends with it
-_STOP_FAILED = E.EngineInternalError("the engine's stop failed before this task ended (see the log)")
-SHUTDOWN_GRACE = 5.0  # seconds a worker has to exit on Shutdown before SIGKILL
 
 
 class Supervisor(Dispatcher, OwnerThread):
@@ -92,41 +88,8 @@ class Supervisor(Dispatcher, OwnerThread):
     # -- the loop ------------------------------------------------------------------------------
 
     def _stopped(self) -> None:
-        """After the loop: stop every worker, end what is left, let the arenas go. No step
-        can stop the others (an engine that failed of a MemoryError meets it again here):
-        each is contained, and every Future ends whatever happened before."""
-        for step in (self._abort_reload, self._shutdown_slots, self._end_the_rest, self.flush,
-                     self._drop_status, self.on_stopped):
-            try:
-                step()
-            except BaseException:  # logged; the next step runs still
-                log.exception("stopping the engine: %s failed", step.__name__)
-        self._last_resort()
+        stopping.stop(self)  # the stop path: engine.local.stopping
 
-    def _abort_reload(self) -> None:
-        if self.reload is not None:
-            self.reload.abort(E.EngineClosed("the engine closed during the reload"))
-
-    def _end_the_rest(self) -> None:
-        """Whatever has not ended (the loop failed before it could end it) ends now."""
-        why = self.failure or E.EngineClosed("the engine stopped before this task ended")
-        for task in self.queue.drain_all() + list(self._unfinished.values()):
-            self.finish(task, error=why)
-
-    def _drop_status(self) -> None:
-        if hasattr(self, "status"):
-            del self.status  # the last view into an arena: they can be unmapped now
-
-    def _last_resort(self) -> None:
-        """Futures that no step could end (finish itself failed) end with an error made
-        before anything could fail."""
-        futures = [t.future for t in self._unfinished.values()] + [c[0] for c in self._completions]
-        for fut in futures:
-            try:
-                if not fut.done():
-                    fut.set_exception(_STOP_FAILED)
-            except BaseException:  # noqa: BLE001 - it ended meanwhile
-                continue
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -463,52 +426,3 @@ class Supervisor(Dispatcher, OwnerThread):
         for slot in self.slots:
             if slot.process is not None:
                 slot.kill(KillReason.SHUTDOWN, grace=0.0)
-
-    def _shutdown_slots(self) -> None:
-        """Stop every worker: Shutdown, a grace, then SIGKILL; reap all; release every lease.
-        Their pipes are read and written meanwhile: a worker blocked sending would otherwise
-        never take its Shutdown."""
-        for slot in self.slots:
-            if slot.process is not None and slot.state is SlotState.STARTING:
-                slot.escalate()  # it holds nothing, and may never read a Shutdown (a hung initializer)
-            elif slot.process is not None and slot.kill_reason is None:
-                slot.kill_reason = KillReason.SHUTDOWN
-                slot.send(Shutdown())
-        deadline = time.monotonic() + SHUTDOWN_GRACE
-        while any(s.process is not None for s in self.slots) and time.monotonic() < deadline:
-            self._pump(deadline - time.monotonic())
-        for slot in self.slots:
-            if slot.process is not None:
-                slot.escalate()
-                self._on_death_final(slot)
-
-    def _pump(self, timeout: float) -> None:
-        """One wait of the stop path: read, write, and reap whatever is ready."""
-        if self._watch_dirty:
-            self._sync_watch()
-        for key, mask in self._selector.select(max(timeout, 0.0)):
-            kind, slot, obj = key.data
-            if kind == "wake":
-                os.read(self._wake_r, 4096)
-            elif kind == "conn" and slot.conn is obj:
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(slot)
-                if mask & selectors.EVENT_READ:
-                    self._drain(slot)
-            elif kind == "exit" and slot.process is obj:
-                self._on_death_final(slot)
-
-    def _on_death_final(self, slot: Slot) -> None:
-        if slot.conn is not None:
-            self._drain(slot, to_end=True)
-        self._forget_slot(slot)
-        slot.reap()
-        for b in slot.batches:
-            self.regions.release(b)
-            self._unpin(b)
-            for t in b.tasks:
-                t.in_batch = None
-                self.finish(t, error=cancelled(t, "the engine closed while it ran", "closed"))
-                self._release_input(t)
-        slot.batches.clear()
-        slot.state = SlotState.STOPPED
