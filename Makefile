@@ -34,8 +34,9 @@ test: $(FULL)      ## the whole suite, slow cases included (a few minutes on 2 c
 test-fast: $(FULL) ## everything but the cases marked slow
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: $(FULL)     ## slabpool vs the alternatives, side by side; writes bench/results/
+bench: $(FULL)     ## slabpool vs the alternatives, side by side; writes bench/results/; then one call's latency (~1 min)
 	$(BIN)/python -m bench
+	$(BIN)/python -m bench.latency --json bench/results/latency.json
 
 bench-jobs: $(FULL) ## the main job's workloads (rows, infer, JSONL, map, table) as whole processes
 	$(BIN)/python -m bench.jobs

@@ -1,4 +1,4 @@
-"""A smoke run of `python -m bench` on tiny sizes, so the benchmark cannot rot.
+"""Smoke runs of `python -m bench` and `python -m bench.latency` on tiny sizes, so the benchmarks cannot rot.
 
 It checks that the run writes its JSON, markdown and PNG, that every contender has a row
 (measured, or skipped with a reason), and that every measured contender's outputs were
@@ -52,3 +52,21 @@ def test_bench_smoke_run_writes_every_contender(tmp_path: Path) -> None:
         assert f"| {contender} |" in table, contender
     for contender in CONTENDERS:  # the printed table too
         assert f" {contender} " in proc.stdout, contender
+
+
+@pytest.mark.slow
+def test_latency_bench_smoke_run_writes_every_contender(tmp_path: Path) -> None:
+    # `python -m bench.latency` on tiny cells: every default contender has a row of measured calls.
+    out = tmp_path / "latency.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.latency", "--seconds", "0.2", "--concurrency", "1,2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["contender"], r["concurrency"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {("pipe floor", 1)} | {
+        (name, c) for name in ("in-process", "ProcessPoolExecutor", "loky", "Engine.infer", "Engine.infer_async")
+        for c in (1, 2)}
+    for row in rows.values():
+        assert row["calls"] > 0 and row["p50_us"] > 0 and row["p999_us"] >= row["p50_us"], row
+    assert "vs ProcessPoolExecutor" in proc.stdout
