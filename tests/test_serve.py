@@ -10,6 +10,7 @@ process tree and its two listening ports, and nothing else.
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from types import SimpleNamespace
 
@@ -25,11 +26,13 @@ from tests.serve_support import Server, check_nothing_left
 
 pytestmark = pytest.mark.timeout(120)
 _servers: list[Server] = []
+LIMIT = 2**20  # the module server's --max-request-bytes
 
 
 @pytest.fixture(scope="module")
 def server(models: SimpleNamespace):
-    srv = Server(f"mlp={models.mlp}", f"multi_io={models.multi_io}", f"ints={models.int_model}", "--workers", "2")
+    srv = Server(f"mlp={models.mlp}", f"multi_io={models.multi_io}", f"ints={models.int_model}", "--workers", "2",
+                 "--max-request-bytes", str(LIMIT))
     _servers.append(srv)
     yield srv
     _servers.remove(srv)
@@ -256,6 +259,81 @@ def test_binary_sizes_that_do_not_add_up_are_400(server, case):
     assert "binary" in r.json()["error"]
 
 
+@pytest.mark.parametrize("header", ["underscore", "plus", "negative"])
+def test_header_length_is_plain_digits(server, header):
+    """Was: `1_0` (and `+10`, as int() reads them) accepted as 10."""
+    head = json.dumps({"inputs": [{**X, "data": None, "parameters": {"binary_data_size": 64}}]}).encode()
+    n = str(len(head))
+    value = {"underscore": f"{n[0]}_{n[1:]}", "plus": f"+{n}", "negative": f"-{n}"}[header]
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", content=head + bytes(64),
+                   headers={"Inference-Header-Content-Length": value})
+    assert r.status_code == 400, r.text
+    assert "Inference-Header-Content-Length" in r.json()["error"] and "digits" in r.json()["error"]
+
+
+def _raw_http(server, head: bytes) -> bytes:
+    """One request's head on a bare socket (no body follows), and the whole answer."""
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:  # only a hang reaches it
+        s.sendall(head)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and b'"}' in answer:
+                break
+    return answer
+
+
+@pytest.mark.parametrize("route", ["models/mlp/infer", "repository/models/ints/load"])
+@pytest.mark.parametrize("how", ["content-length", "chunked", "at the limit"])
+def test_a_body_past_max_request_bytes_is_413_and_never_buffered(server, route, how):
+    """Was: any body read whole into memory. A declared length past the limit is refused before a
+    byte of the body is read (the body here is never sent: before, the server waited for it);
+    a chunked one as it passes the limit; one at the limit is read (and is not JSON: 400)."""
+    if how == "content-length":
+        answer = _raw_http(server, f"POST /v2/{route} HTTP/1.1\r\nHost: x\r\nContent-Length: {100 * 2**30}\r\n"
+                                   "Connection: close\r\n\r\n".encode())
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        msg = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    else:
+        body = [b"x" * (LIMIT // 2)] * 2 + ([b"y"] if how == "chunked" else [])
+        r = httpx.post(f"{server.url}/v2/{route}", content=iter(body))  # an iterator goes out chunked
+        assert r.status_code == (413 if how == "chunked" else 400), r.text
+        msg = r.json()["error"]
+    if how != "at the limit":
+        assert "too large" in msg and f"{LIMIT} bytes" in msg and "--max-request-bytes" in msg, msg
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
+
+
+def _grpc_raw(server, method: str, raw: bytes):
+    import grpc
+
+    with grpc.insecure_channel(server.grpc_url, options=[("grpc.max_send_message_length", -1)]) as ch:
+        call = ch.unary_unary(f"/inference.GRPCInferenceService/{method}")  # bytes as they are
+        with pytest.raises(grpc.RpcError) as err:
+            call(raw, timeout=30)
+    return err.value
+
+
+@pytest.mark.parametrize("size", [LIMIT + 1, 4 * LIMIT])
+def test_a_grpc_message_past_max_request_bytes_is_resource_exhausted(server, size):
+    """Was: a limit of 2 GiB, each message buffered whole. A valid message past the limit."""
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="mlp", raw_input_contents=[bytes(size)])
+    req.inputs.add(name="x", datatype="FP32", shape=[size // 64, 16])
+    err = _grpc_raw(server, "ModelInfer", req.SerializeToString())
+    assert err.code().name == "RESOURCE_EXHAUSTED", err
+
+
+@pytest.mark.parametrize("method", ["ModelInfer", "ModelMetadata", "ModelReady"])
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff", b"garbage bytes", b"\x0a\xff"])
+def test_grpc_garbage_is_invalid_argument(server, method, raw):
+    """Was: UNKNOWN (grpcio's deserializer failed), with no word of why."""
+    err = _grpc_raw(server, method, raw)
+    assert err.code().name == "INVALID_ARGUMENT", err
+    assert f"not a inference.{method}Request message" in err.details()
+
+
 def test_grpc_errors_carry_the_status_code(server):
     c = tgrpc.InferenceServerClient(server.grpc_url)
     try:
@@ -334,7 +412,7 @@ def test_every_datatype_round_trips_raw_and_as_json(datatype):
     raw = tensors.to_bytes(tensors.as_output("t", arr))
     got = tensors.from_buffer("t", datatype, arr.shape, raw)
     assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes() and not got.flags.writeable  # a view
-    listed = tensors.to_list(arr).tolist()
+    listed = tensors.to_list("t", arr).tolist()
     assert tensors.from_list("t", datatype, arr.shape, listed).tobytes() == arr.tobytes()
 
 
@@ -416,6 +494,56 @@ def test_string_outputs_go_out_as_bytes_json_and_binary():
     assert head["outputs"][0]["data"] == ["a", "bé", "", "c"]
     assert head["outputs"][1]["parameters"]["binary_data_size"] == len(body) - n
     assert tritonclient_bytes(body[n:]) == [b"a", "bé".encode(), b"", b"c"]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nan_and_infinities_go_out_as_json_tokens_python_reads(dtype):
+    """Was: null (orjson), which reads back as no number. NaN, Infinity, -Infinity: json.loads
+    (and tritonclient.http) reads them back as the same values of the datatype."""
+    from slabpool.engine.serve import tensors
+    from slabpool.engine.serve.core import InferResponse, OutputTensor
+    from slabpool.engine.serve.http import encode_response
+
+    arr = np.array([[np.nan, np.inf], [-np.inf, 0.1]], dtype=dtype)
+    datatype = tensors.datatype_of(arr.dtype)
+    body, n = encode_response(InferResponse("m", "v", "", [OutputTensor("f", datatype, [2, 2], arr, False),
+                                                          OutputTensor("g", datatype, [2], arr[1, 1:], False)]))
+    assert n is None and b"null" not in body
+    outs = json.loads(body)["outputs"]
+    assert np.asarray(outs[0]["data"], dtype).reshape(2, 2).tobytes() == arr.tobytes()
+    assert np.asarray(outs[1]["data"], dtype).tobytes() == arr[1, 1:].tobytes()
+
+
+def test_nan_outputs_read_back_through_tritonclient_json(server, models):
+    """An input of infinities (sent binary) makes the MLP's outputs NaN; asked as JSON they read back."""
+    x = np.full((2, 16), np.inf, np.float32)
+    x[1] = -np.inf
+    want = ort_run(models.mlp, {"x": x})
+    c = thttp.InferenceServerClient(server.url[7:])
+    try:
+        i = thttp.InferInput("x", [2, 16], "FP32")
+        i.set_data_from_numpy(x)
+        res = c.infer("mlp", [i], outputs=[thttp.InferRequestedOutput(n, binary_data=False) for n in want])
+    finally:
+        c.close()
+    for name, w in want.items():
+        assert not np.isfinite(w).all()  # the case is the one it claims
+        got = res.as_numpy(name).astype(np.float32)
+        assert np.array_equal(got, w, equal_nan=True), (name, got, w)
+
+
+def test_bytes_that_are_not_utf8_are_refused_as_json_and_go_out_binary():
+    """Was: decoded with errors="replace", the bytes silently changed."""
+    from slabpool.engine.serve.core import InferResponse, OutputTensor
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.http import encode_response
+
+    for bad in ([b"ok", b"\xff\xfe"], [b"\xc3"], [b"a", b"b", "é".encode("latin-1")]):
+        words = np.array(bad, dtype=object)
+        with pytest.raises(BadRequest, match=r"output 's': BYTES element \d+ .* not UTF-8.*binary_data"):
+            encode_response(InferResponse("m", "v", "", [OutputTensor("s", "BYTES", [len(bad)], words, False)]))
+        body, n = encode_response(InferResponse("m", "v", "", [OutputTensor("s", "BYTES", [len(bad)], words, True)]))
+        assert n is not None and tritonclient_bytes(body[n:]) == bad
 
 
 def tritonclient_bytes(raw: bytes) -> list[bytes]:

@@ -19,11 +19,19 @@ def test_models_are_named_after_their_file_unless_named(models):
     (["{mlp}", "{mlp}"], ["two models", "'mlp'"]),
     (["=" + "{mlp}"], ["name"]),
     (["a/b={mlp}"], ["'a/b'"]),
+    # names go into URLs unescaped: only A-Z a-z 0-9 _ . - (was: a space, '?', '%' accepted)
+    (["a b={mlp}"], ["'a b'", "A-Z a-z 0-9 _ . -"]),
+    (["q?x={mlp}"], ["'q?x'", "A-Z"]),
+    (["p%2f={mlp}"], ["'p%2f'", "A-Z"]),
+    (["caf\u00e9={mlp}"], ["'caf\u00e9'", "A-Z"]),
+    (["{space}"], ["'my model'", "NAME=PATH"]),
     (["missing.onnx"], ["not found", "missing.onnx"]),
 ])
-def test_bad_model_arguments_say_what_is_wrong(models, items, words):
+def test_bad_model_arguments_say_what_is_wrong(models, items, words, tmp_path):
+    space = tmp_path / "my model.onnx"
+    space.write_bytes(models.mlp.read_bytes())
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        model_specs([i.format(mlp=models.mlp) for i in items])
+        model_specs([i.format(mlp=models.mlp, space=space) for i in items])
     for w in words:
         assert w in str(err.value)
 

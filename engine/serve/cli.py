@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SERVE_EXAMPLES = """\
 examples:
   slabpool serve model.onnx                          HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001
@@ -74,6 +76,9 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver")
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                    help="seconds SIGTERM waits for accepted requests (default 30)")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=64 * 2**20,
+                   help="largest request body (HTTP) or message (gRPC); larger ones answer 413 / "
+                        "RESOURCE_EXHAUSTED before they are buffered (default 64 MiB)")
     p.add_argument("--access-log", action="store_true", help="one JSON line per request on stderr")
     p.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
@@ -87,8 +92,9 @@ def model_specs(items: list[str]) -> list[tuple[str, str]]:
         name, sep, path = item.partition("=")
         if not sep:
             name, path = Path(item).stem, item
-        if not name or "/" in name:
-            raise ValueError(f"model name {name!r} (from {item!r}) must be non-empty and hold no '/'")
+        if not _NAME.fullmatch(name):  # it goes into URLs (v2/models/NAME) unescaped
+            raise ValueError(f"model name {name!r} (from {item!r}) must be one or more of A-Z a-z 0-9 _ . -; "
+                             "name it with NAME=PATH")
         if not Path(path).is_file():
             raise FileNotFoundError(f"model not found: {path}")
         if name in (n for n, _ in out):
@@ -131,5 +137,5 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         Repository(served).close()
         raise
     fe = Frontend(Repository(served), metrics, log_access=args.access_log)
-    listen = server.Listen(args.host, args.http_port, args.grpc_port, args.drain_timeout)
+    listen = server.Listen(args.host, args.http_port, args.grpc_port, args.drain_timeout, args.max_request_bytes)
     return server.run(fe, listen)

@@ -3,6 +3,7 @@
     ServeError(status, message)               raised where the mistake is seen
     ├── BadRequest      400 INVALID_ARGUMENT   the request breaks the protocol or the model's contract
     ├── NotFound        404 NOT_FOUND          no such model (or version, or route)
+    ├── TooLarge        413 RESOURCE_EXHAUSTED the request is larger than --max-request-bytes
     └── Unavailable     503 UNAVAILABLE        the queue is full, or the server is draining
 
     engine errors (slabpool.workers.errors) -> `from_engine`:
@@ -29,6 +30,7 @@ class Status(enum.Enum):
     OK = (200, "OK")
     INVALID_ARGUMENT = (400, "INVALID_ARGUMENT")
     NOT_FOUND = (404, "NOT_FOUND")
+    TOO_LARGE = (413, "RESOURCE_EXHAUSTED")
     INTERNAL = (500, "INTERNAL")
     UNAVAILABLE = (503, "UNAVAILABLE")
     DEADLINE_EXCEEDED = (504, "DEADLINE_EXCEEDED")
@@ -58,6 +60,10 @@ class BadRequest(ServeError):
 
 class NotFound(ServeError):
     status = Status.NOT_FOUND
+
+
+class TooLarge(ServeError):
+    status = Status.TOO_LARGE
 
 
 class Unavailable(ServeError):

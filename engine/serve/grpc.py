@@ -15,6 +15,7 @@ import time
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
@@ -40,7 +41,7 @@ class GrpcService:
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                _parsed(fn, req), request_deserializer=None, response_serializer=resp.SerializeToString)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "ServerLive": unary(self.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
@@ -91,6 +92,20 @@ class GrpcService:
             raise
         self.fe.record(request.model_name, "grpc", Status.OK, started, request.id)
         return resp
+
+
+def _parsed(fn: Any, message: Any) -> Any:
+    """The handler on the request's raw bytes, parsed here: bytes that are not the message answer
+    INVALID_ARGUMENT (grpcio's own deserializer fails them as UNKNOWN, with no word of why)."""
+
+    async def handle(raw: bytes, context: Any) -> Any:
+        try:
+            request = message.FromString(raw)
+        except DecodeError as exc:
+            await _abort(context, BadRequest(f"the request is not a {message.DESCRIPTOR.full_name} message: {exc}"))
+        return await fn(request, context)
+
+    return handle
 
 
 async def _abort(context: Any, exc: ServeError) -> NoReturn:

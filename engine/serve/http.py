@@ -11,21 +11,24 @@
 No framework routes it: the paths are few and fixed, and a router's per-request matching
 costs more than this whole dispatch (the choice is measured in docs/serve.md). While an
 inference waits, a watcher reads the connection: a client that disconnects cancels its request
-(queued: it never runs).
+(queued: it never runs). A body past --max-request-bytes is refused (413) by its
+Content-Length before it is read, or as soon as a chunked body passes the limit: never buffered whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import orjson
 
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
-from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status
+from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status, TooLarge
 from slabpool.engine.serve.metrics import CONTENT_TYPE
 
 Scope = dict[str, Any]
@@ -38,8 +41,9 @@ _OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
 class HttpApp:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, max_request_bytes: int) -> None:
         self.fe = frontend
+        self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan: nothing to start, the engines are up already
@@ -53,7 +57,7 @@ class HttpApp:
             await self._infer(scope, receive, send, parts, started)
             return
         try:
-            status, body = await self._route(method, parts, receive)
+            status, body = await self._route(method, parts, scope, receive)
         except ServeError as exc:
             status, body = exc.status, {"error": str(exc)}
         if status is Status.CANCELLED:
@@ -63,7 +67,7 @@ class HttpApp:
         else:
             await _send(send, status.http, orjson.dumps(body), _JSON)
 
-    async def _route(self, method: str, parts: list[str], receive: Receive) -> tuple[Status, Any]:
+    async def _route(self, method: str, parts: list[str], scope: Scope, receive: Receive) -> tuple[Status, Any]:
         fe = self.fe
         if parts == ["metrics"] and method == "GET":
             return Status.OK, fe.metrics.render()
@@ -84,7 +88,7 @@ class HttpApp:
                 ready = fe.model_ready(name, version)
                 return (Status.OK if ready else Status.UNAVAILABLE), {"name": name, "ready": ready}
         if method == "POST" and parts[:2] == ["v2", "repository"]:
-            return await self._repository(parts[2:], await _body(receive))
+            return await self._repository(parts[2:], await _body(scope, receive, self.max_request_bytes))
         raise NotFound(f"no route {method} /{'/'.join(parts)}")
 
     async def _repository(self, parts: list[str], body: bytes) -> tuple[Status, Any]:
@@ -110,17 +114,17 @@ class HttpApp:
         request_id = ""
         try:
             self.fe.repo[name].check_version(version)  # 404 before the body is read
-            body = await _body(receive)
+            body = await _body(scope, receive, self.max_request_bytes)
             req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
             request_id = req.id
             resp = await _watching(receive, self.fe.infer(req))
+            payload, header_len = encode_response(resp)
         except ServeError as exc:
             status = exc.status
             if status is not Status.CANCELLED:
                 await _send(send, status.http, orjson.dumps({"error": str(exc)}), _JSON)
             self.fe.record(name, "http", status, started, request_id)
             return
-        payload, header_len = encode_response(resp)
         headers = _JSON if header_len is None else [
             (b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(header_len).encode())]
         await _send(send, 200, payload, headers)
@@ -178,18 +182,32 @@ def _header(scope: Scope, key: bytes) -> bytes | None:
     return None
 
 
-async def _body(receive: Receive) -> bytes:
+async def _body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, refused (413) past the limit: by its Content-Length before a byte is
+    read, and while it streams, since a chunked body has no length up front."""
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"its Content-Length is {int(declared)} bytes", limit)
     msg = await receive()
     body = msg.get("body", b"")
     if not msg.get("more_body"):
+        if len(body) > limit:
+            raise _too_large(f"it holds {len(body)} bytes", limit)
         return bytes(body)
-    chunks = [body]
+    chunks, size = [body], len(body)
     while msg.get("more_body"):
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise ServeError("the client disconnected before its request was read", Status.CANCELLED)
         chunks.append(msg.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise _too_large(f"{size} bytes of it were read", limit)
     return b"".join(chunks)
+
+
+def _too_large(got: str, limit: int) -> TooLarge:
+    return TooLarge(f"the request body is too large: {got}; the limit is {limit} bytes (--max-request-bytes)")
 
 
 async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -228,10 +246,10 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     if header_length is None:
         head, blob = _json(view), view[len(view):]
     else:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not header_length.isdigit():  # ASCII digits only (int() also takes "1_0", " 10", "+10")
+            raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer in digits, "
+                             f"got {header_length!r}")
+        n = int(header_length)
         if not 0 <= n <= len(view):
             raise BadRequest(f"Inference-Header-Content-Length is {n} but the body holds {len(view)} bytes")
         head, blob = _json(view[:n]), view[n:]
@@ -313,7 +331,7 @@ def encode_response(resp: InferResponse) -> tuple[bytes, int | None]:
             tensor["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            tensor["data"] = tensors.to_list(o.array)
+            tensor["data"] = _json_data(o.name, o.array)
         outs.append(tensor)
     answer: dict[str, Any] = {"model_name": resp.model, "model_version": resp.version}
     if resp.id:  # echoed when the request had one, as Triton does
@@ -323,6 +341,15 @@ def encode_response(resp: InferResponse) -> tuple[bytes, int | None]:
     if not blobs:
         return head, None
     return b"".join((head, *blobs)), len(head)
+
+
+def _json_data(name: str, arr: Any) -> Any:
+    """An output's JSON `data`. NaN and infinities have no JSON number: they go out as the tokens
+    NaN, Infinity and -Infinity, as Python's json (and so tritonclient) writes and reads them
+    (orjson would write null, which reads back as no number at all)."""
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        return orjson.Fragment(json.dumps(arr.reshape(-1).tolist()))
+    return tensors.to_list(name, arr)
 
 
 def _tolist(obj: Any) -> Any:

@@ -30,11 +30,16 @@ from slabpool.engine.serve.grpc import GrpcService
 from slabpool.engine.serve.http import HttpApp
 
 log = logging.getLogger("slabpool.engine.serve")
-GRPC_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
-    ("grpc.max_receive_message_length", 2**31 - 1),
-    ("grpc.max_send_message_length", 2**31 - 1),
-]
+MAX_REQUEST_BYTES = 64 * 2**20
+
+
+def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    """A message past the limit is refused by grpcio before it is buffered: RESOURCE_EXHAUSTED."""
+    return [
+        ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", 2**31 - 1),
+    ]
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Listen:
     http_port: int = 8000
     grpc_port: int = 8001
     drain_timeout: float = 30.0
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
 
 class _Uvicorn(uvicorn.Server):
@@ -56,9 +62,10 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
     """Serve until SIGTERM/SIGINT, then drain; True when every accepted request was answered."""
     loop = asyncio.get_running_loop()
     sock = socket.create_server((listen.host, listen.http_port), backlog=2048)
-    http = _Uvicorn(uvicorn.Config(HttpApp(fe), lifespan="off", log_level="warning", access_log=False,
+    app = HttpApp(fe, listen.max_request_bytes)
+    http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                    http="httptools", ws="none", timeout_graceful_shutdown=5))
-    rpc = grpc.aio.server(options=GRPC_OPTIONS)
+    rpc = grpc.aio.server(options=grpc_options(listen.max_request_bytes))
     rpc.add_generic_rpc_handlers((GrpcService(fe).handler(),))
     try:
         grpc_port = rpc.add_insecure_port(f"{listen.host}:{listen.grpc_port}")

@@ -194,9 +194,20 @@ def to_bytes(arr: np.ndarray[Any, Any]) -> bytes:
     return b"".join(parts)
 
 
-def to_list(arr: np.ndarray[Any, Any]) -> Any:
-    """JSON `data`: the array flat (orjson writes numeric arrays natively); BYTES as strings."""
+def to_list(name: str, arr: np.ndarray[Any, Any]) -> Any:
+    """JSON `data`: the array flat (orjson writes numeric arrays natively); BYTES as strings.
+    BYTES that are not UTF-8 have no JSON string: refused, never changed (the binary form carries them)."""
     flat = arr.reshape(-1)
     if arr.dtype.kind not in "OSU":
         return flat
-    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in flat]
+    out = []
+    for i, v in enumerate(flat):
+        if not isinstance(v, bytes):
+            out.append(str(v))
+            continue
+        try:
+            out.append(v.decode())
+        except UnicodeDecodeError:
+            raise BadRequest(f"output {name!r}: BYTES element {i} ({v[:32]!r}) is not UTF-8 and has no JSON "
+                             "string; request this output with \"binary_data\": true") from None
+    return out
