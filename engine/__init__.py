@@ -57,10 +57,14 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
   rebuild, retire); `regions` sizes output regions (7), `watchdog` times out and revokes,
   `slot.Slot` is one worker process and its pipe (the supervisor never blocks writing it: what
-  the pipe does not take waits in the slot's outbox until the selector says writable), `reload` swaps the model slot by slot.
+  the pipe does not take waits in the slot's outbox until the selector says writable),
+  `stopping` is the stop path (no step stops the others; every Future ends), `forks` keeps a
+  forked child off the parent's workers, `reload` swaps the model slot by slot.
 - `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core; its `reload`
   starts each slot's new actor next to the old one.
-- `engine.job`: the batch job, `slabpool run`.
+- `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
+  Inference Protocol over HTTP and gRPC, on the public API (one engine per model).
+- `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b).
 - `slabpool.workers.main`: the worker loop; `slabpool.workers.pipeline` the steps 5-7 every kind
   of worker runs (preprocess -> contract -> run -> postprocess); one session per process.
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -122,3 +123,12 @@ def check_nothing_left(allowed: list[Server]) -> None:
     assert not kids, f"child processes left behind: {[(p.pid, p.cmdline()) for p in kids]}"
     assert not ports, f"sockets left listening: {ports}"
     assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
+
+
+def held(servers: list[Server], srv: Server) -> Iterator[Server]:
+    """A module's server: known to its leak check (`servers`) while it serves, stopped cleanly
+    (exit 0) at the end. Use as `yield from held(_servers, Server(...))` in a fixture."""
+    servers.append(srv)
+    yield srv
+    servers.remove(srv)
+    assert srv.stop() == 0, srv.stderr()

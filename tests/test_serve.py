@@ -22,7 +22,7 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from tests.reference import ort_run
-from tests.serve_support import Server, check_nothing_left
+from tests.serve_support import Server, check_nothing_left, held
 
 pytestmark = pytest.mark.timeout(120)
 _servers: list[Server] = []
@@ -31,12 +31,8 @@ LIMIT = 2**20  # the module server's --max-request-bytes
 
 @pytest.fixture(scope="module")
 def server(models: SimpleNamespace):
-    srv = Server(f"mlp={models.mlp}", f"multi_io={models.multi_io}", f"ints={models.int_model}", "--workers", "2",
-                 "--max-request-bytes", str(LIMIT))
-    _servers.append(srv)
-    yield srv
-    _servers.remove(srv)
-    assert srv.stop() == 0, srv.stderr()
+    yield from held(_servers, Server(f"mlp={models.mlp}", f"multi_io={models.multi_io}", f"ints={models.int_model}",
+                                     "--workers", "2", "--max-request-bytes", str(LIMIT)))
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from tests.models import onnx_models
 from tests.reference import ort_run
 from tests.serve_hooks import GATE_ENV
-from tests.serve_support import Server, check_nothing_left
+from tests.serve_support import Server, check_nothing_left, held
 
 pytestmark = pytest.mark.timeout(180)
 HOOKS = ["--preprocess", "tests.serve_hooks:marked", "--initializer", "tests.serve_hooks:gate"]
@@ -48,12 +48,8 @@ def gate_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(models: SimpleNamespace, gate_file: Path):
-    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--max-attempts", "2", "--queue-capacity", "6", *HOOKS,
-                 env={GATE_ENV: str(gate_file)})
-    _servers.append(srv)
-    yield srv
-    _servers.remove(srv)
-    assert srv.stop() == 0, srv.stderr()
+    yield from held(_servers, Server(f"mlp={models.mlp}", "--workers", "1", "--max-attempts", "2", "--queue-capacity", "6",
+                                     *HOOKS, env={GATE_ENV: str(gate_file)}))
 
 
 @pytest.fixture(autouse=True)

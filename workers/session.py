@@ -90,18 +90,29 @@ def model_files(path: str) -> list[str]:
     return [os.path.basename(path), *extra]
 
 
-def model_digest(path: str) -> str:
+def model_digest(path: str, copy_to: str | None = None) -> str:
     """The model version: the first 16 hex digits of the SHA-256 of the model file, followed by
-    each external data file's name and bytes (a model without external data: of the file alone)."""
+    each external data file's name and bytes (a model without external data: of the file alone).
+    `copy_to`: each file is also copied there as it is read, so the copy is what was hashed."""
     folder = os.path.dirname(os.path.abspath(path))
-    names = model_files(path)
     h = hashlib.sha256()
-    for i, name in enumerate(names):
+    for i, name in enumerate(model_files(path)):
         if i:
             h.update(b"\0" + name.encode() + b"\0")
         with open(os.path.join(folder, name), "rb") as f:
-            hashlib.file_digest(f, lambda: h)  # one running hash over every file
+            if copy_to is None:
+                hashlib.file_digest(f, lambda: h)  # one running hash over every file
+            else:
+                _copy_hashed(f, os.path.join(copy_to, name), h)
     return h.hexdigest()[:16]
+
+
+def _copy_hashed(src: Any, target: str, h: Any) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "wb") as out:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            h.update(chunk)
+            out.write(chunk)
 
 
 def load_session(spec: SessionSpec) -> ModelSession:

@@ -104,9 +104,10 @@ def pin(spec: SessionSpec, form: str, runtime: str = "", convert: Convert | None
 
 
 def _direct(spec: SessionSpec, digest: str, note: str) -> Pinned:
-    now = model_digest(spec.path)
-    if now != digest:
-        raise _changed(spec, digest, now)
+    if spec.digest:  # else `digest` was taken from the file just now
+        now = model_digest(spec.path)
+        if now != digest:
+            raise _changed(spec, digest, now)
     return Pinned(spec.path, digest, False, note)
 
 
@@ -127,11 +128,8 @@ def _usable(entry: Path, digest: str) -> Pinned | None:
         return None
     for name, want in manifest["files"].items():
         try:
-            with open(entry / name, "rb") as f:
-                if os.fstat(f.fileno()).st_size != want["size"]:
-                    return None
-                if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
-                    return None
+            if (entry / name).stat().st_size != want["size"] or _sha256(entry / name) != want["sha256"]:
+                return None
         except OSError:
             return None
     return _pinned(entry, manifest)
@@ -192,23 +190,11 @@ def _write(spec: SessionSpec, tmp: Path, digest: str, form: str, convert: Conver
 
 def _copy_source(spec: SessionSpec, dst: Path, digest: str) -> list[str]:
     """Copy the model's files, hashing what was copied: the copy is the pinned version or is refused."""
-    folder = Path(os.path.abspath(spec.path)).parent
-    names = model_files(spec.path)
     dst.mkdir(parents=True, exist_ok=True, mode=0o700)
-    h = hashlib.sha256()
-    for i, name in enumerate(names):
-        if i:
-            h.update(b"\0" + name.encode() + b"\0")
-        target = dst / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(folder / name, "rb") as fin, open(target, "wb") as fout:
-            for chunk in iter(lambda: fin.read(1 << 20), b""):
-                h.update(chunk)
-                fout.write(chunk)
-    got = h.hexdigest()[:16]
+    got = model_digest(spec.path, copy_to=str(dst))
     if got != digest:
         raise _changed(spec, digest, got)
-    return names
+    return model_files(spec.path)
 
 
 def _publish(tmp: Path, entry: Path) -> None:

@@ -4,7 +4,6 @@ the same job, so that one resumes the other)."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -178,7 +177,7 @@ def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
     batched = is_batched(spec)
     return {"model": model_fingerprint(spec.model), "input": source.fingerprint, "count": source.count,
             "output": output_kind(spec), "preprocess": spec.preprocess, "postprocess": spec.postprocess,
-            "batched": batched, "hook_batch": hook_batch(spec), "keep": list(spec.keep), "text": spec.text,
+            "batched": batched, "hook_batch": (spec.batch_size or BATCHED_DEFAULT) if batched else None, "keep": list(spec.keep), "text": spec.text,
             "columns": {k: list(v) for k, v in spec.columns} or None}
 
 
@@ -187,13 +186,13 @@ def output_kind(spec: JobSpec) -> str:
 
 
 def model_fingerprint(model: Path | None) -> dict[str, Any] | None:
-    """The model file by its bytes, wherever it lies (a copy, a move or a touch is the same
-    model; a rewrite is not)."""
+    """The model by its bytes and its external data files', wherever it lies (a copy, a move or
+    a touch is the same model; a rewrite is not)."""
     if model is None:
         return None
-    with open(model, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"size": model.stat().st_size, "sha256": digest}
+    from slabpool.workers.session import model_digest  # the engine's model version: external data included
+
+    return {"size": model.stat().st_size, "sha256": model_digest(str(model))}
 
 
 def refusal(parts: Path, old: Any, new: dict[str, Any]) -> str:

@@ -9,7 +9,8 @@ admission queue, hand the thread callables (`call`), and wake it.
 
 What it decides with, kept apart: dispatch limits (engine.core.dispatch, pure), who is charged
 after a death (engine.core.recovery, pure), output regions (engine.local.regions), overdue and
-stalled work (engine.local.watchdog), the stop path (engine.local.stopping); each slot's process and pipe: engine.local.slot.
+stalled work (engine.local.watchdog), the stop path (engine.local.stopping); each slot's
+process and pipe: engine.local.slot.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class Supervisor(Dispatcher, OwnerThread):
 
     def _stopped(self) -> None:
         stopping.stop(self)  # the stop path: engine.local.stopping
-
 
     def _step(self) -> None:
         now = time.monotonic()

@@ -91,6 +91,11 @@ class Frontend:
         served.check_version(version)
         return not self.draining and served.ready()
 
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        served = self.repo[name]
+        served.check_version(version)
+        return served.metadata()
+
     def server_metadata(self) -> dict[str, Any]:
         from slabpool import __version__
 
@@ -140,13 +145,12 @@ class Frontend:
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def record(self, model: str, transport: str, status: Status, started: float, request_id: str = "",
-               code: str | None = None) -> None:
+    def record(self, model: str, transport: str, status: Status, started: float, request_id: str = "") -> None:
         """One answered request: its counters, its latency, its access log line (if on)."""
         seconds = time.perf_counter() - started
         if model not in self.repo:  # a label per name a client made up would grow without bound
             model = ""
-        code = code or (str(status.http) if transport == "http" else status.grpc)
+        code = str(status.http) if transport == "http" else status.grpc
         self.metrics.observe(model, transport, code, seconds)
         if self.log_access:
             access_log.info(orjson.dumps({

@@ -69,9 +69,7 @@ class GrpcService:
 
     async def model_metadata(self, request: Any, context: Any) -> Any:
         try:
-            served = self.fe.repo[request.name]
-            served.check_version(request.version)
-            meta = served.metadata()
+            meta = self.fe.model_metadata(request.name, request.version)
         except ServeError as exc:
             await _abort(context, exc)
         T = pb.ModelMetadataResponse.TensorMetadata

@@ -81,9 +81,7 @@ class HttpApp:
         if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
             name, version, rest = _model_path(parts)
             if rest == []:
-                served = fe.repo[name]
-                served.check_version(version)
-                return Status.OK, served.metadata()
+                return Status.OK, fe.model_metadata(name, version)
             if rest == ["ready"]:
                 ready = fe.model_ready(name, version)
                 return (Status.OK if ready else Status.UNAVAILABLE), {"name": name, "ready": ready}

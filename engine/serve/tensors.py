@@ -14,6 +14,7 @@ A tensor whose data does not fill its shape, or a datatype the protocol does not
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -63,19 +64,12 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def from_buffer(name: str, datatype: str, shape: tuple[int, ...], buf: bytes | memoryview) -> Any:
     """Raw little-endian contents (binary extension, gRPC raw_input_contents): a read-only view."""
     if datatype == BYTES:
         return _split_bytes(name, shape, buf)
     dt = _dtype(name, datatype)
-    want = _count(shape) * dt.itemsize
+    want = math.prod(shape) * dt.itemsize
     if len(buf) != want:
         raise BadRequest(f"input {name!r}: shape {list(shape)} of {datatype} takes {want} bytes, got {len(buf)}")
     return np.frombuffer(buf, dt).reshape(shape)
@@ -88,8 +82,8 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
     its range (an integer past it, or a number past FP16/FP32's largest, is refused)."""
     if datatype == BYTES:
         items = [v.encode() if isinstance(v, str) else v for v in _flat(data)]
-        if not all(isinstance(v, bytes) for v in items) or len(items) != _count(shape):
-            raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {_count(shape)} strings, "
+        if not all(isinstance(v, bytes) for v in items) or len(items) != math.prod(shape):
+            raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {math.prod(shape)} strings, "
                              f"got {len(items)} items")
         return items
     dt = _dtype(name, datatype)
@@ -102,8 +96,8 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
         raise BadRequest(f"input {name!r}: a value is out of range for {datatype}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"input {name!r}: data does not read as {datatype}: {exc}") from None
-    if arr.size != _count(shape):
-        raise BadRequest(f"input {name!r}: shape {list(shape)} holds {_count(shape)} elements, got {arr.size}")
+    if arr.size != math.prod(shape):
+        raise BadRequest(f"input {name!r}: shape {list(shape)} holds {math.prod(shape)} elements, got {arr.size}")
     if arr.ndim > 1 and arr.shape != shape:
         raise BadRequest(f"input {name!r}: nested data of shape {list(arr.shape)} for shape {list(shape)}; "
                          "send it flat (row-major) or nested as the shape")
@@ -160,8 +154,8 @@ def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> 
                              f"{len(view) - pos - 4} are left")
         out.append(bytes(view[pos + 4 : pos + 4 + n]))
         pos += 4 + n
-    if len(out) != _count(shape):
-        raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {_count(shape)} elements, got {len(out)}")
+    if len(out) != math.prod(shape):
+        raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {math.prod(shape)} elements, got {len(out)}")
     return out
 
 
