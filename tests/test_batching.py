@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.workers.errors import PoisonTask, SessionRunError
 from slabpool.workers.protocol import FaultSpec
 from tests.reference import litert_run, ort_run
@@ -93,9 +94,8 @@ def test_a_bad_item_fails_alone_its_batch_mates_do_not(models):
 
 def test_a_batch_that_kills_its_worker_replays_then_bisects_to_the_poison(models):
     feeds = [{"x": RNG.standard_normal((1, 16)).astype(np.float32)} for _ in range(8)]
-    with Engine(models.mlp, workers=1, max_batch_size=8, max_batch_wait_ms=300, max_attempts=2,
-                _fault_injection=True) as eng:
-        futs = [eng.submit(f, _fault=FaultSpec("run", "sigkill") if i == 5 else None) for i, f in enumerate(feeds)]
+    with faults.build(Engine, models.mlp, workers=1, max_batch_size=8, max_batch_wait_ms=300, max_attempts=2) as eng:
+        futs = [faults.submit(eng, f, FaultSpec("run", "sigkill") if i == 5 else None) for i, f in enumerate(feeds)]
         with pytest.raises(PoisonTask):
             futs[5].result(timeout=120)
         mates = [f.result(timeout=120) for i, f in enumerate(futs) if i != 5]
@@ -111,9 +111,9 @@ def test_a_replayed_batch_keeps_its_composition_and_bytes(models, tmp_path):
     kw = dict(workers=1, max_batch_size=6, max_batch_wait_ms=300)
     with Engine(models.mlp, **kw) as eng:
         clean = _submit_all(eng, feeds)
-    with Engine(models.mlp, _fault_injection=True, **kw) as eng:
+    with faults.build(Engine, models.mlp, **kw) as eng:
         once = FaultSpec("run", "sigkill", str(tmp_path / "once"))
-        futs = [eng.submit(f, _fault=once if i == 0 else None) for i, f in enumerate(feeds)]
+        futs = [faults.submit(eng, f, once if i == 0 else None) for i, f in enumerate(feeds)]
         replayed = [f.result(timeout=60) for f in futs]
     assert all(r.attempts == 2 for r in replayed)
     assert [r.outputs["probs"].tobytes() for r in replayed] == [c.outputs["probs"].tobytes() for c in clean]

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.workers.errors import PoisonTask, SessionInitError, TaskTimeout, WorkerCrashed
 from slabpool.workers.protocol import FaultSpec
 from tests.reference import ort_run
@@ -43,11 +44,11 @@ CRASH_CASES = [
 
 @pytest.mark.parametrize("stage,action,settings", CRASH_CASES, ids=[f"{s}-{a}" for s, a, _ in CRASH_CASES])
 def test_a_crash_replays_the_task_and_rebuilds_only_that_slot(models, tmp_path, start_method, stage, action, settings):
-    with Engine(models.mlp, workers=2, start_method=start_method, _fault_injection=True, **settings) as eng:
+    with faults.build(Engine, models.mlp, workers=2, start_method=start_method, **settings) as eng:
         want = eng.infer(X)
         before = {s.slot: s.pid for s in eng.stats().slots}
         fault = FaultSpec(stage, action, str(tmp_path / "fired"))
-        futs = [eng.submit(X) for _ in range(3)] + [eng.submit(X, _fault=fault)] + [eng.submit(X) for _ in range(3)]
+        futs = [eng.submit(X) for _ in range(3)] + [faults.submit(eng, X, fault)] + [eng.submit(X) for _ in range(3)]
         results = [f.result(timeout=60) for f in futs]
         st = eng.stats()
     assert results[3].attempts == 2
@@ -65,8 +66,8 @@ def test_poison_task_is_quarantined_and_its_slot_mates_are_not(models):
     """One worker: the poison runs, the innocent waits in the pipe; only the running one
     counts an attempt against itself."""
     poison = FaultSpec("run", "sigkill")
-    with Engine(models.mlp, workers=1, max_attempts=3, _fault_injection=True) as eng:
-        bad = eng.submit(X, _fault=poison)
+    with faults.build(Engine, models.mlp, workers=1, max_attempts=3) as eng:
+        bad = faults.submit(eng, X, poison)
         good = eng.submit(X)
         with pytest.raises(PoisonTask) as info:
             bad.result(timeout=60)
@@ -83,9 +84,9 @@ def test_poison_task_is_quarantined_and_its_slot_mates_are_not(models):
 
 
 def test_sigbus_is_reported_as_a_shared_memory_problem(models):
-    with Engine(models.mlp, workers=1, max_attempts=1, _fault_injection=True) as eng:
+    with faults.build(Engine, models.mlp, workers=1, max_attempts=1) as eng:
         with pytest.raises(PoisonTask) as info:
-            eng.submit(X, _fault=FaultSpec("run", "sigbus")).result(timeout=60)
+            faults.submit(eng, X, FaultSpec("run", "sigbus")).result(timeout=60)
     cause = info.value.__cause__
     assert isinstance(cause, WorkerCrashed) and cause.signal == "SIGBUS(-7)"
     assert "shared-memory" in str(cause) and "--shm-size" in str(cause)
@@ -97,8 +98,8 @@ def test_replay_is_deterministic_with_random_augmentation(models, tmp_path):
     with Engine(models.mlp, workers=1, preprocess="tests.hooks:augment", seed=7) as eng:
         clean = [r.outputs["probs"] for r in eng.map(items)]
     fault = FaultSpec("run", "sigkill", str(tmp_path / "once"))
-    with Engine(models.mlp, workers=1, preprocess="tests.hooks:augment", seed=7, _fault_injection=True) as eng:
-        futs = [eng.submit(it, _fault=fault if i == 2 else None) for i, it in enumerate(items)]
+    with faults.build(Engine, models.mlp, workers=1, preprocess="tests.hooks:augment", seed=7) as eng:
+        futs = [faults.submit(eng, it, fault if i == 2 else None) for i, it in enumerate(items)]
         replayed = [f.result(timeout=60) for f in futs]
     assert replayed[2].attempts == 2
     assert [r.outputs["probs"].tobytes() for r in replayed] == [c.tobytes() for c in clean]
@@ -137,22 +138,22 @@ def test_long_onnx_run_is_stopped_cleanly_without_killing_the_worker(models):
 def test_death_during_session_start_up_at_construction_fails_fast(models, tmp_path, start_method):
     t0 = time.monotonic()
     with pytest.raises(SessionInitError, match="SIGSEGV"):
-        Engine(models.mlp, workers=2, start_method=start_method, _init_fault=FaultSpec("init", "sigsegv"))
+        faults.build(Engine, models.mlp, workers=2, start_method=start_method, init=FaultSpec("init", "sigsegv"))
     assert time.monotonic() - t0 < 30
 
 
 def test_death_during_a_respawn_start_up_backs_off_and_recovers(models, tmp_path):
-    with Engine(models.mlp, workers=1, _fault_injection=True) as eng:
-        eng._init_fault = FaultSpec("init", "exit3", str(tmp_path / "init-once"))
-        res = eng.submit(X, _fault=FaultSpec("run", "sigkill", str(tmp_path / "run-once"))).result(timeout=60)
+    with faults.build(Engine, models.mlp, workers=1) as eng:
+        faults.set_init_fault(eng, FaultSpec("init", "exit3", str(tmp_path / "init-once")))
+        res = faults.submit(eng, X, FaultSpec("run", "sigkill", str(tmp_path / "run-once"))).result(timeout=60)
         st = eng.stats()
     assert res.attempts == 2 and st.restarts == 2  # the crash, then the failed start
 
 
 def test_repeated_start_up_deaths_fail_the_engine_with_a_clear_error(models):
-    with Engine(models.mlp, workers=1, _fault_injection=True) as eng:
-        eng._init_fault = FaultSpec("init", "exit3")
-        fut = eng.submit(X, _fault=FaultSpec("run", "sigkill"))
+    with faults.build(Engine, models.mlp, workers=1) as eng:
+        faults.set_init_fault(eng, FaultSpec("init", "exit3"))
+        fut = faults.submit(eng, X, FaultSpec("run", "sigkill"))
         with pytest.raises(SessionInitError, match="failed to start 5 times"):
             fut.result(timeout=60)
         with pytest.raises(SessionInitError):

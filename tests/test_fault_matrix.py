@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.engine.core.states import EngineState
 from slabpool.workers.errors import (
     InputContractError,
@@ -216,12 +217,12 @@ def transfer_raises(r: Run) -> None:
 
 
 def transfer_kills(r: Run) -> None:
-    bad = r.eng.submit(item(0), _fault=FaultSpec("write_outputs", "sigkill"))
+    bad = faults.submit(r.eng, item(0), FaultSpec("write_outputs", "sigkill"))
     fails(bad, PoisonTask, "SIGKILL")
 
 
 def transfer_hangs(r: Run) -> None:
-    bad = r.eng.submit(item(0), _fault=FaultSpec("write_outputs", "hang"))
+    bad = faults.submit(r.eng, item(0), FaultSpec("write_outputs", "hang"))
     fails(bad, TaskTimeout, "task_timeout")
 
 
@@ -275,6 +276,7 @@ class Cell:
     settings: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # a model of the `models` fixture; None: the preprocess is the task
     failed: int | None = None  # tasks failed in stats() (None: not checked)
+    faults: bool = False  # its tasks may carry a FaultSpec (engine.caller.faults)
 
 
 SMALL = {"shm_capacity": 8 * MiB}
@@ -299,8 +301,8 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("result transfer", "unpicklable"): Cell(transfer_unpicklable, failed=1),
     ("result transfer", "raises"): Cell(transfer_raises, {"preprocess": "tests.fault_hooks:to_feeds",
                                                           "postprocess": "tests.fault_hooks:post"}, "mlp", 1),
-    ("result transfer", "kills"): Cell(transfer_kills, {"_fault_injection": True}, failed=1),
-    ("result transfer", "hangs"): Cell(transfer_hangs, {"_fault_injection": True, "task_timeout": 1.0}, failed=1),
+    ("result transfer", "kills"): Cell(transfer_kills, failed=1, faults=True),
+    ("result transfer", "hangs"): Cell(transfer_hangs, {"task_timeout": 1.0}, failed=1, faults=True),
     ("result transfer", "too big"): Cell(transfer_too_big, {**SMALL, "workers": 1, "queue_capacity": 100}, failed=0),
     ("caller", "unpicklable"): Cell(caller_unpicklable, failed=0),
     ("caller", "raises"): Cell(caller_raises, failed=0),
@@ -331,7 +333,8 @@ def test_only_the_offending_task_fails(models, tmp_path, caplog, stage, fault):
         del settings["preprocess"]
     fds = _fds()
     model = getattr(models, cell.model) if cell.model else None
-    with caplog.at_level(logging.ERROR, logger="slabpool.engine"), Engine(model, **settings) as eng:
+    engine = faults.build(Engine, model, **settings) if cell.faults else Engine(model, **settings)
+    with caplog.at_level(logging.ERROR, logger="slabpool.engine"), engine as eng:
         r = Run(eng, tmp_path)
         if model is None:
             r.goods()

@@ -20,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.engine.core.states import EngineState
 from slabpool.engine.local.mainguard import _guarded
 from slabpool.workers.errors import (
@@ -192,12 +193,12 @@ def test_groups_sent_to_a_fresh_worker_fit(tmp_path, fresh):
     elements = MiB // 64
     model = _tile_model(tmp_path / "tile.onnx", elements, 16)
     xs = [np.full((1, elements), float(i), np.float32) for i in range(120)]
-    kw: dict = {"max_tasks_per_worker": 40} if fresh == "recycled" else {"_fault_injection": True}
-    with Engine(model, workers=1, shm_capacity=8 * MiB, queue_capacity=200, **kw) as eng:
+    kw: dict = {"max_tasks_per_worker": 40} if fresh == "recycled" else {}
+    with faults.build(Engine, model, workers=1, shm_capacity=8 * MiB, queue_capacity=200, **kw) as eng:
         _run_all(eng, xs[:40], lambda x: np.tile(x, (1, 16)))  # measured: tiny tasks, groups next
         if fresh == "replayed":
             from slabpool.workers.protocol import FaultSpec
-            eng.submit({"x": xs[0]}, _fault=FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(60)
+            faults.submit(eng, {"x": xs[0]}, FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(60)
         _run_all(eng, xs, lambda x: np.tile(x, (1, 16)))
         assert eng.stats().failed == 0
 

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.workers.protocol import FaultSpec
 
 
@@ -84,11 +85,11 @@ def test_a_crash_during_an_in_place_task_replays_it(models, tmp_path, stage) -> 
     rng = np.random.default_rng(3)
     items = [{"x": rng.standard_normal((1, 256 * 1024)).astype(np.float32)} for _ in range(6)]
     fault = FaultSpec(stage, "sigkill", str(tmp_path / "once"))
-    with Engine(models.payload, workers=1, _fault_injection=True) as eng:
+    with faults.build(Engine, models.payload, workers=1) as eng:
         eng.infer(items[0])
         eng.infer(items[0])
         assert eng.stats().outputs_in_place == 1  # the faulty task below runs bound
-        futs = [eng.submit(it, _fault=fault if i == 2 else None) for i, it in enumerate(items)]
+        futs = [faults.submit(eng, it, fault if i == 2 else None) for i, it in enumerate(items)]
         results = [f.result(timeout=60) for f in futs]
         st = eng.stats()
     for it, res in zip(items, results, strict=True):

@@ -23,6 +23,7 @@ import onnx
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.workers.protocol import FaultSpec
 from slabpool.workers.session import SessionSpec, model_digest
 from slabpool.workers.weights import ModelChanged, pin
@@ -94,11 +95,11 @@ def test_a_slot_rebuilt_after_a_crash_serves_the_pinned_model(deploy: Deploy, tm
     path, new_file = deploy.build(tmp_path)
     old_ref = deploy.run(path, {"x": deploy.x_old})
     once = str(tmp_path / "killed")
-    with Engine(path, workers=1, _fault_injection=True, cache_dir=tmp_path / "cache") as eng:
+    with faults.build(Engine, path, workers=1, cache_dir=tmp_path / "cache") as eng:
         version, described = eng.model_version, eng.describe()
         deploy.apply(new_file, path)
         assert model_digest(str(path)) != version  # the file on disk is another model now
-        replayed = eng.submit({"x": deploy.x_old}, _fault=FaultSpec("run", "sigkill", once)).result(timeout=60)
+        replayed = faults.submit(eng, {"x": deploy.x_old}, FaultSpec("run", "sigkill", once)).result(timeout=60)
         after = [eng.submit({"x": deploy.x_old}).result(timeout=60) for _ in range(5)]
         st = eng.stats()
         assert os.path.exists(once) and st.restarts == 1  # the worker was killed and rebuilt
@@ -157,8 +158,8 @@ def test_a_changed_source_is_refused_not_loaded(tmp_path: Path, cache: str) -> N
 def test_the_pinned_model_under_both_start_methods(tmp_path: Path, start_method: str) -> None:
     path, new_file = _mlps(tmp_path, seed=1)
     ref = ort_run(path, {"x": X16})["probs"]
-    with Engine(path, workers=1, start_method=start_method, _fault_injection=True, cache_dir=tmp_path / "c") as eng:
+    with faults.build(Engine, path, workers=1, start_method=start_method, cache_dir=tmp_path / "c") as eng:
         version = eng.model_version
         renamed_over(new_file, path)
-        res = eng.submit({"x": X16}, _fault=FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(timeout=60)
+        res = faults.submit(eng, {"x": X16}, FaultSpec("run", "sigkill", str(tmp_path / "once"))).result(timeout=60)
     assert res.attempts == 2 and res.model_version == version and res.outputs["probs"].tobytes() == ref.tobytes()

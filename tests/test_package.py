@@ -199,6 +199,25 @@ def test_settings_are_typed_keyword_only_parameters(models) -> None:
     assert not issubclass(Engine, RayEngine) and not issubclass(RayEngine, Engine)
 
 
+@pytest.mark.parametrize("cls_name", ["Engine", "RayEngine"])
+def test_no_public_method_shows_a_private_parameter(cls_name: str) -> None:
+    """Every public method of both engines (and the constructor) takes only public parameters:
+    the caller's internals (a block's rows per call, a task's test fault, ...) travel in one
+    internal Request (engine.caller.request), never as `_keyword`s in a public signature."""
+    import inspect
+
+    import slabpool
+
+    cls = getattr(slabpool, cls_name)
+    methods = {name: fn for name, fn in inspect.getmembers(cls, callable) if not name.startswith("_")}
+    methods["__init__"] = cls.__init__
+    assert {"submit", "map", "infer", "infer_async", "submit_async", "map_async", "reload", "close"} <= set(methods)
+    private = {name: [p for p in inspect.signature(fn).parameters if p.startswith("_")]
+               for name, fn in methods.items()}
+    assert {name: ps for name, ps in private.items() if ps} == {}
+    assert not [p for p in inspect.signature(cls).parameters if p.startswith("_")]
+
+
 @pytest.mark.slow
 def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
     from mypy import api
@@ -211,6 +230,9 @@ def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
         "    reveal_type(eng)\n"
         "    reveal_type(eng.submit({'x': np.zeros(3)}))\n"
         "    reveal_type(eng.stats().completed)\n"
+        "    reveal_type(eng.infer({'x': np.zeros(3)}))\n"
+        "    reveal_type(eng.map([{'x': np.zeros(3)}]))\n"
+        "    reveal_type(eng.map([{'x': np.zeros(3)}], return_exceptions=True))\n"
         "with RayEngine('m.onnx', workers=2) as ray_eng:\n"
         "    reveal_type(ray_eng)\n"
         "Engine('m.onnx', worker=2)\n"
@@ -220,6 +242,10 @@ def test_mypy_types_what_a_caller_writes(tmp_path: Path) -> None:
     assert "concurrent.futures._base.Future[slabpool.engine.core.task.Result]" in out
     assert 'Revealed type is "int"' in out or 'Revealed type is "builtins.int"' in out
     assert 'Revealed type is "slabpool.engine.ray.backend.RayEngine"' in out
+    plain = out.replace("builtins.", "")
+    assert 'Revealed type is "dict[str, numpy.ndarray[' in plain  # infer()
+    assert "typing.Generator[slabpool.engine.core.task.Result, None, None]" in plain  # map()
+    assert "typing.Generator[slabpool.engine.core.task.Result | BaseException, None, None]" in plain
     assert 'Unexpected keyword argument "worker"' in out
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.engine.local.reload import Reload
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
@@ -46,8 +47,8 @@ def test_a_slot_killed_while_it_starts_on_the_new_model_is_started_again(models,
     """A worker killed from outside while it builds the new session (SIGKILL at init): the
     model is not to blame; the slot starts again on it and the swap completes."""
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    with Engine(models.mlp, workers=2, _fault_injection=True) as eng:
-        eng._init_fault = FaultSpec("init", "sigkill", str(tmp_path / "once"))  # the next start dies
+    with faults.build(Engine, models.mlp, workers=2) as eng:
+        faults.set_init_fault(eng, FaultSpec("init", "sigkill", str(tmp_path / "once")))  # the next start dies
         new = eng.reload(v2, timeout=120)
         res = eng.submit({"x": x}).result(timeout=60)
         st = eng.stats()

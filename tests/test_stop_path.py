@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller import faults
 from slabpool.engine.local.supervisor import MAX_STARTUP_FAILURES
 from slabpool.workers.errors import SessionInitError
 from slabpool.workers.protocol import FaultSpec
@@ -55,10 +56,10 @@ def _crash_then_hold(models, tmp_path, start_method, **kw):
     """An engine whose worker 2 (the first rebuilt) never finishes its initializer: worker 1
     is killed by its task, worker 2 waits on hold-2 (the hook's own deadline is long past
     startup_timeout)."""
-    eng = Engine(models.mlp, workers=1, start_method=start_method, initializer="tests.owner_hooks:hold_rebuilt",
-                 initargs=(str(tmp_path),), _fault_injection=True, **kw)
+    eng = faults.build(Engine, models.mlp, workers=1, start_method=start_method,
+                       initializer="tests.owner_hooks:hold_rebuilt", initargs=(str(tmp_path),), **kw)
     (tmp_path / "hold-2").touch()
-    killer = eng.submit(X, _fault=FaultSpec("run", "sigkill", str(tmp_path / "fired")))
+    killer = faults.submit(eng, X, FaultSpec("run", "sigkill", str(tmp_path / "fired")))
     wait_until((tmp_path / "started-2").exists, "worker 2 in its initializer")
     return eng, killer
 

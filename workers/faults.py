@@ -4,7 +4,7 @@ A task carries a `FaultSpec(stage, action, once_file)`; the worker calls `inject
 at each stage (init, preprocess, run, postprocess, write_outputs). With `once_file`, the fault
 fires only the first time any process reaches it (the file is created atomically), so a
 replay of the same task succeeds. The engine passes FaultSpecs only when built with
-`_fault_injection=True`.
+`engine.caller.faults` (tests only: `faults.build(Engine, ...)`).
 """
 
 from __future__ import annotations

@@ -31,11 +31,12 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar, overload
 
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
+    from slabpool.engine.caller.request import Outputs
     from slabpool.engine.core.config import EngineConfig
     from slabpool.engine.core.task import Result
 
@@ -87,10 +88,24 @@ class AsyncEngineMixin:
         fut = await _admit(self, loop, inputs, context, deadline, block_timeout)
         return await _await_task(self, loop, fut)
 
-    async def infer_async(self: _Host, inputs: Any, **kw: Any) -> Any:
-        """`submit_async` and return the outputs (dict name -> array, or what postprocess returned)."""
+    async def infer_async(self: _Host, inputs: Any, **kw: Any) -> Outputs:
+        """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
+        what it returned)."""
         result = await AsyncEngineMixin.submit_async(self, inputs, **kw)
-        return result.outputs
+        outputs: Outputs = result.outputs
+        return outputs
+
+    @overload
+    def map_async(
+        self: _Host, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
+        return_exceptions: Literal[False] = ..., context: dict[str, Any] | None = ...,
+    ) -> AsyncIterator[Result]: ...
+
+    @overload
+    def map_async(
+        self: _Host, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
+        return_exceptions: bool, context: dict[str, Any] | None = ...,
+    ) -> AsyncIterator[Result | BaseException]: ...
 
     async def map_async(
         self: _Host,
@@ -99,7 +114,7 @@ class AsyncEngineMixin:
         window: int | None = None,
         return_exceptions: bool = False,
         context: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[Result | BaseException]:
         """Results in submission order, at most `window` tasks accepted and not yet yielded.
 
         `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
@@ -257,7 +272,8 @@ def _cancel_task(eng: _Host, fut: Future[Result]) -> None:
     _lanes(eng).cancel.run(eng.cancel, fut)
 
 
-async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result], int]], return_exceptions: bool) -> Any:
+async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result], int]],
+                return_exceptions: bool) -> Result | BaseException:
     """The oldest task's outcome, with its item's index; it leaves `held` only once it has one
     (a cancelled wait leaves it there, for the caller to cancel)."""
     index = held[0][2]

@@ -19,10 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, Protocol, Self
 
-from slabpool.engine.caller import blocks
+from slabpool.engine.caller import blocks, faults
 from slabpool.engine.caller.aio import AsyncEngineMixin
 from slabpool.engine.caller.calls import CheckedConstructor, public
 from slabpool.engine.caller.mapping import MapMixin
+from slabpool.engine.caller.request import Admitted, Outputs, Request
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
 from slabpool.engine.core.metrics import Histogram, Metrics, render
@@ -32,7 +33,7 @@ from slabpool.engine.core.stats import EngineStats, ModelDescription
 from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
-from slabpool.workers.protocol import FaultSpec, SessionInfo, TensorSpec
+from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import SessionSpec, detect_backend, model_digest
 
 log = logging.getLogger("slabpool.engine")
@@ -112,8 +113,6 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         stall_after: float = 10.0,
         share_weights: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
-        _fault_injection: bool = False,  # tests: tasks may carry a FaultSpec
-        _init_fault: FaultSpec | None = None,  # tests: a fault in every worker's initializer
     ) -> None:
         """Start the pool: every worker has built its session when this returns.
 
@@ -121,10 +120,11 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         processes (None: the usable CPUs). Hooks (preprocess, postprocess, initializer) are
         module-level functions or 'module:function' strings; workers import them by name.
         Each setting is described in README.md ("Settings"); a bad one raises ValueError or
-        TypeError naming it."""
-        settings = {k: v for k, v in locals().items() if k not in ("self", "model", "_init_fault", "__class__")}
-        settings["fault_injection"] = settings.pop("_fault_injection")
-        self._init_fault = _init_fault
+        TypeError naming it. (Tests inject faults through engine.caller.faults, not here.)"""
+        settings = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
+        injection = faults.armed()
+        settings["fault_injection"] = injection is not None
+        self._init_fault = injection.init if injection is not None else None
         self.config = resolve(model, **settings)
         self._weak = weakref.ref(self)  # what a TaskFuture holds: a kept Future keeps no engine alive
         self._start()
@@ -143,19 +143,22 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         context: dict[str, Any] | None = None,
         deadline: float | None = None,
         block_timeout: float | None = None,
-        _fault: FaultSpec | None = None,
-        _units: int = 1,
-        _step: int = 0,
     ) -> Future[Result]:
         """Accept one task: its inputs are checked against the model (step 1) and handed over
         (step 2: copied into shared memory, or put into Ray's object store) before this returns.
         A Future of its Result. `deadline`: seconds it may wait in the queue; `block_timeout`:
         how long a full queue may block this call (admission="block")."""
+        return self._submit(Request(inputs, context, deadline, block_timeout))
+
+    def _submit(self, request: Request) -> Future[Result]:
+        """The one internal way in (engine.caller.request): submit(), map(), infer(batch_size=),
+        the batch job and the tests' faults all build a Request and hand it here. Step 1, the
+        input contract, then the backend's `_enqueue` (step 2)."""
         self._check_accepting()
-        item, shape_key, items = self._admit(inputs)  # step 1: the contract, before accepting
-        if not _units:  # a block of rows (infer(batch_size=), the job): never stacked with others
-            shape_key, items = ("block", items, shape_key), 0
-        return self._enqueue(item, shape_key, items, context, deadline, block_timeout, _fault, _units, step=_step)
+        admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
+        if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
+            admitted = Admitted(admitted.item, ("block", admitted.items, admitted.shape_key), 0)
+        return self._enqueue(request, admitted)
 
     def _check_accepting(self) -> None:
         if self._state is not EngineState.ACCEPTING:
@@ -164,13 +167,9 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
             self._queue.raise_if_closed()  # why it stopped: the engine's failure, or close()
             raise E.EngineClosed(f"the engine is {self._state.name}: submit() after close()")
 
-    def _enqueue(
-        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
-        step: int = 0,
-    ) -> Future[Result]:
-        """Step 2, the backend's: hand one checked task over and put it in the queue. `step`: a
-        block of rows runs that many rows a session call (0: one call)."""
+    def _enqueue(self, request: Request, admitted: Admitted) -> Future[Result]:
+        """Step 2, the backend's: hand one checked task over and put it in the queue (its
+        inputs as step 1 `admitted` them, the rest of the task as `request` asks)."""
         raise NotImplementedError
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = None) -> None:
@@ -227,24 +226,24 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
 
     # -- step 1 and the task's identity ---------------------------------------------------------
 
-    def _admit(self, inputs: Any) -> tuple[Any, tuple[Any, ...], int]:
+    def _admit(self, inputs: Any) -> Admitted:
         """Check the input contract at the door (no preprocess); return item, batch key, items.
 
         Inputs of a signature (names, exact array types, dtypes, shapes) already checked are
         not checked again: the contract depends on nothing else."""
         if self.config.preprocess is not None or not self._specs:
-            return inputs, ("item",), 1
+            return Admitted(inputs, ("item",), 1)
         sig = contract.signature(inputs) if type(inputs) is dict else None
         if sig is not None:
             known = self._admitted.get(sig)
             if known is not None:
-                return dict(inputs), known[0], known[1]
+                return Admitted(dict(inputs), known[0], known[1])
         feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
         key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
         items = next(iter(feeds.values())).shape[0] if self._batchable else 1
         if sig is not None:
             self._admitted.add(sig, (key, items))
-        return feeds, key, items
+        return Admitted(feeds, key, items)
 
     def _set_specs(self, info: SessionInfo | None) -> None:
         self._specs = info.inputs if info else ()
@@ -269,8 +268,9 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
     # -- the rest of the caller's API -----------------------------------------------------------
 
     @public
-    def infer(self, inputs: Any, *, batch_size: int | str | None = None, **kw: Any) -> Any:
-        """Submit and wait: the outputs (dict name -> array, or what postprocess returned).
+    def infer(self, inputs: Any, *, batch_size: int | str | None = None, **kw: Any) -> Outputs:
+        """Submit and wait: the outputs, a dict name -> array (with a postprocess: what it
+        returned; the type says dict, the value is the hook's).
 
         Without `batch_size` the inputs are one task. With `batch_size=N` (or "auto": calls of
         ~2 ms, from the measured run time per row) the rows on axis 0 go as blocks of N rows, a
@@ -286,14 +286,15 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         array, say); it yields their outputs in order with a bounded number in flight, a
         block per task (`chunk=1`)."""
         if batch_size is None:
-            return self.submit(inputs, **kw).result().outputs
+            outputs: Outputs = self.submit(inputs, **kw).result().outputs
+            return outputs
         unknown = set(kw) - {"context", "block_timeout"}
         if unknown:
             raise TypeError(f"infer(batch_size=...) takes context and block_timeout, not {sorted(unknown)}")
         return self._infer_rows(inputs, batch_size, kw.get("context"), kw.get("block_timeout"))
 
     def _infer_rows(self, inputs: Any, batch_size: int | str, context: dict[str, Any] | None,
-                    block_timeout: float | None) -> dict[str, Any]:
+                    block_timeout: float | None) -> Outputs:
         arrays, n = blocks.rows_of(inputs)
         self._check_blockable(arrays)
         window = self.config.workers * max(self.config.inflight_per_slot, 2)
@@ -301,10 +302,12 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         sizer = blocks.BlockSizer(batch_size, blocks.row_bytes(arrays), self.config.shm_capacity, window,
                                   self.config.task_timeout, group=not hooks)
         if n == 0:
-            return self.submit(inputs, context=context, block_timeout=block_timeout).result().outputs  # type: ignore[no-any-return]
+            empty: Outputs = self.submit(inputs, context=context, block_timeout=block_timeout).result().outputs
+            return empty
 
         def submit(lo: int, hi: int, step: int) -> Future[Result]:
-            return self._submit_rows(blocks.slice_rows(arrays, lo, hi), context, block_timeout, step)
+            # a block counts no items (its rows are counted here), `step` rows a session call
+            return self._submit(Request(blocks.slice_rows(arrays, lo, hi), context, None, block_timeout, 0, step))
 
         self._tally(accepted=n)
         return blocks.gather(blocks.run_blocks(submit, [(0, n)], sizer, window), n, self._tally)
@@ -319,12 +322,6 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
             raise ValueError(f"infer(batch_size=...): input {fixed[0].name!r} has shape {fixed[0].shape}, not a "
                              "dynamic axis 0; rows of this model cannot go in blocks")
         self._admit(blocks.slice_rows(arrays, 0, 0))  # InputContractError here, not per block
-
-    def _submit_rows(self, block: Any, context: dict[str, Any] | None, block_timeout: float | None,
-                     step: int = 0) -> Future[Result]:
-        """One block of rows as one task that counts no items (the caller counts the rows), run
-        `step` rows a session call (0: one call)."""
-        return self.submit(block, context=context, block_timeout=block_timeout, _units=0, _step=step)
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         raise NotImplementedError

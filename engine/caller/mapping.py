@@ -16,11 +16,12 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from slabpool.engine.caller.calls import not_a_function, public
+from slabpool.engine.caller.request import Request
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
@@ -37,8 +38,21 @@ class MapMixin:
     config: EngineConfig
 
     submit: Callable[..., Future[Result]]  # BaseEngine's
+    _submit: Callable[[Request], Future[Result]]  # BaseEngine's one internal way in
     _submit_chunk: Callable[[list[Any], dict[str, Any] | None], Future[Result]]
     _tally: Callable[..., None]
+
+    @overload
+    def map(
+        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: Literal[False] = ...,
+        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
+    ) -> Generator[Result, None, None]: ...
+
+    @overload
+    def map(
+        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: bool,
+        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
+    ) -> Generator[Result | BaseException, None, None]: ...
 
     @public
     def map(
@@ -50,7 +64,7 @@ class MapMixin:
         context: dict[str, Any] | None = None,
         chunk: int | None = None,
         ordered: bool = True,
-    ) -> Iterator[Any]:
+    ) -> Generator[Result | BaseException, None, None]:
         """Results in submission order, at most `window` items in flight (memory stays bounded).
         `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
         items of one chunk still come together, in their order). Either way each Result's
@@ -68,7 +82,10 @@ class MapMixin:
         stacked into one session call when dynamic batching is on (max_batch_size > 1: the
         same float tolerance as batching); each keeps its own outcome, and its Result carries
         the chunk's task id (and stats() counts it as one task). A chunk that kills workers
-        runs again item by item, so a poison item fails alone."""
+        runs again item by item, so a poison item fails alone.
+
+        A generator of Results (of errors too, with `return_exceptions`); `close()` it to
+        abandon it at once."""
         not_a_function(f"{type(self).__name__}.map()", items)
         return self._map_items(items, window=window, return_exceptions=return_exceptions, context=context,
                                chunk=chunk, ordered=ordered)
@@ -76,7 +93,7 @@ class MapMixin:
     def _map_items(
         self, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
         context: dict[str, Any] | None, chunk: int | None, ordered: bool,
-    ) -> Iterator[Any]:
+    ) -> Generator[Result | BaseException, None, None]:
         # an item refused at the door is contained either way: it then raises at its position,
         # with its .index, after the results before it (was: at once, before them, with no index)
         parts = self._map_parts(items, window=window, contain=True, context=context, chunk=chunk, ordered=ordered)
@@ -174,7 +191,7 @@ class MapMixin:
                 futs: list[Future[Result]] = []
                 seen = 0
                 try:
-                    futs = [self.submit(x, context=context, _units=0) for x in group]
+                    futs = [self._submit(Request(x, context, units=0)) for x in group]
                     for i, f in enumerate(futs):
                         seen += 1  # its outcome is counted by the call below
                         yield from self._task_parts(f, [group[i]], context, pace, True, start + i)
@@ -219,7 +236,7 @@ class MapPart:
     error: BaseException | None
     start: int = 0
 
-    def each(self, return_exceptions: bool) -> Iterator[Any]:
+    def each(self, return_exceptions: bool) -> Iterator[Result | BaseException]:
         """Item by item, as map() yields them: a Result with its item's `index`, or the item's
         error with `.index` set (raised unless `return_exceptions`)."""
         if self.error is not None:

@@ -1,7 +1,11 @@
 """Steps 2-4 of the job, the two ways items go to the Engine: `by_blocks` (rows of arrays or of
 a table, one task per block of rows, cut down to its failing rows) and `by_items` (Engine.map:
 tiny items many to a task, each with its own outcome; with batched hooks a map item is a list
-of items). Both hand outcomes to the run's Collector and call `JobRun.tick` between them."""
+of items). Both hand outcomes to the run's Collector and call `JobRun.tick` between them.
+
+The engine is a `JobEngine` (engine.caller.request): its public API and the caller's internals
+that infer(batch_size=) and map() are built on (`_submit` of a Request, `_admit`, `_tally`,
+`_map_parts`), typed, so that mypy checks every call made here."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from slabpool.engine.caller.blocks import BlockSizer, run_blocks
+from slabpool.engine.caller.request import JobEngine, Request
 from slabpool.engine.core.task import Result
 from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job.collector import ITEM_ERRORS
@@ -53,7 +58,7 @@ def pending_items(source: Source, todo: list[tuple[int, int]]) -> Todo:
             yield b.start + j, functools.partial(b.item, j), b.kept(j)
 
 
-def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+def by_blocks(run: JobRun, eng: JobEngine, reader: RowReader, todo: list[tuple[int, int]], intr: Interrupts) -> None:
     """Steps 2-4 by blocks of rows: one task per block, straight from the (mapped) file, or
     from a table's spans read front to back (engine.job.sources.RowReader)."""
     window = 2 * run.workers
@@ -61,7 +66,8 @@ def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, in
                        eng.config.task_timeout)
 
     def submit(lo: int, hi: int, step: int) -> Future[Result]:
-        return eng._submit_rows(reader.read(lo, hi), None, None, step)  # type: ignore[no-any-return]
+        # a block counts no items itself (its rows are tallied here), `step` rows a session call
+        return eng._submit(Request(reader.read(lo, hi), units=0, step=step))
 
     started = time.monotonic()
     pieces = run_blocks(submit, reader.runs(), sizer, window, stop=lambda: intr.count > 0)
@@ -83,7 +89,7 @@ def by_blocks(run: JobRun, eng: Any, reader: RowReader, todo: list[tuple[int, in
         eng._tally(cancelled=total - settled)
 
 
-def by_items(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+def by_items(run: JobRun, eng: JobEngine, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
     """Steps 2-4 item by item, as Engine.map sends them: tiny items many to a task (a
     chunk), each item with its own outcome, settled a task at a time (a chunk's outputs
     whole: engine.caller.mapping.MapPart). An item that cannot be read, or that the model's
@@ -122,7 +128,7 @@ def by_items(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]],
         parts.close()
 
 
-def by_groups(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
+def by_groups(run: JobRun, eng: JobEngine, source: Source, todo: list[tuple[int, int]], intr: Interrupts) -> None:
     """by_items with batched hooks: a map item is a list of items (one hook call); a list that
     fails is retried item by item, so a bad one fails alone."""
     order: deque[list[tuple[int, Callable[[], Any], dict[str, Any]]]] = deque()
@@ -150,7 +156,7 @@ def by_groups(run: JobRun, eng: Any, source: Source, todo: list[tuple[int, int]]
         outcomes.close()
 
 
-def settle(run: JobRun, eng: Any, group: list[tuple[int, Callable[[], Any], dict[str, Any]]],
+def settle(run: JobRun, eng: JobEngine, group: list[tuple[int, Callable[[], Any], dict[str, Any]]],
             outcome: Result | BaseException) -> None:
     """One map outcome: an item's, or a batched list's (split per item)."""
     if len(group) > 1 and isinstance(outcome, ITEM_ERRORS):

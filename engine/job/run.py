@@ -48,6 +48,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from slabpool.engine.caller.request import JobEngine
 from slabpool.engine.job import hooks as job_hooks
 from slabpool.engine.job import parquet as job_parquet
 from slabpool.engine.job.collector import Collector
@@ -271,7 +272,7 @@ class JobRun:
         return (source.blockable and s.model is not None and s.preprocess is None and s.postprocess is None
                 and not self.batched and bool(d and d.batchable) and numeric)
 
-    def _start(self, *, blocks_possible: bool, decode: Callable[[Any], Any] | None) -> Any:
+    def _start(self, *, blocks_possible: bool, decode: Callable[[Any], Any] | None) -> JobEngine:
         from slabpool.engine.core.config import usable_cpus
         from slabpool.engine.local.pool import Engine
 
@@ -325,7 +326,7 @@ class JobRun:
             post = post and functools.partial(job_hooks.decoded_post_each, decode, post)
         return pre, post
 
-    def tick(self, eng: Any, intr: Interrupts) -> None:
+    def tick(self, eng: JobEngine, intr: Interrupts) -> None:
         """Between outcomes: commit when due (step 4), the progress display, the first signal's note."""
         col = self.collector
         if col.failed and (why := self.limit.exceeded(col.failed, col.done + col.failed, self.todo)):
@@ -344,7 +345,7 @@ class JobRun:
             self.restarts = self._sample(eng)
         self.progress.update(self.progress.initial + col.done + col.failed, col.failed, self.restarts)
 
-    def _sample(self, eng: Any) -> int:
+    def _sample(self, eng: JobEngine) -> int:
         st = eng.stats()
         self.peak_workers_rss = max(self.peak_workers_rss, sum(s.rss_bytes for s in st.slots))
         for s in st.slots:  # each worker's peak RSS, PSS and shared bytes, for the report

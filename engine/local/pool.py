@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.metrics import Metrics
@@ -122,16 +123,13 @@ class Engine(BaseEngine):
         """Several items as one task (Engine.map): its Result's outputs are a Chunk, one
         outcome per item (see workers/protocol.Chunk)."""
         self._check_accepting()
-        chunk = Chunk(self._admit(x)[0] for x in inputs)  # each item checked at the door
-        return self._enqueue(chunk, ("chunk", len(chunk)), 0, context, None, None, None, 0)
+        chunk = Chunk(self._admit(x).item for x in inputs)  # each item checked at the door
+        return self._enqueue(Request(chunk, context, units=0), Admitted(chunk, ("chunk", len(chunk)), 0))
 
-    def _enqueue(
-        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
-        step: int = 0,
-    ) -> TaskFuture:
+    def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
         """Step 2: seal user data, lease input memory and copy the inputs in, then queue."""
-        skeleton, arrays = packing.split(item)
+        context, block_timeout = request.context, request.block_timeout
+        skeleton, arrays = packing.split(admitted.item)
         if self.config.preprocess is not None and not _plain(skeleton):  # user data: a TypeError
             skeleton = _seal_items(skeleton) if type(skeleton) is Chunk else seal(skeleton, "the inputs")
         wire_context = None if context is None else seal(context, "the context")
@@ -160,12 +158,12 @@ class Engine(BaseEngine):
             self._queue.unreserve(nbytes)
             raise
         fut = TaskFuture(self._weak)
-        abs_deadline = None if deadline is None else time.monotonic() + deadline
+        abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, fault, copy_in_s=copy_s, nbytes=nbytes, units=units,
-                        wire_context=wire_context, step=step)
+            return Task(task_id, fut, packed, lease, admitted.shape_key, admitted.items, context, self._seed(task_id),
+                        abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes, units=request.units,
+                        wire_context=wire_context, step=request.step)
 
         try:
             task = self._queue.accept(make)

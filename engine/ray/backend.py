@@ -42,6 +42,7 @@ from typing import Any
 import ray
 
 from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.metrics import Metrics
@@ -50,7 +51,7 @@ from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
 from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
 from slabpool.engine.ray.reload import RayReload
-from slabpool.workers.protocol import FaultSpec, Packed, SessionInfo
+from slabpool.workers.protocol import Packed, SessionInfo
 
 log = logging.getLogger("slabpool.engine.ray")
 
@@ -118,27 +119,25 @@ class RayEngine(BaseEngine):
 
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
-    def _enqueue(
-        self, item: Any, shape_key: tuple[Any, ...], items: int, context: dict[str, Any] | None,
-        deadline: float | None, block_timeout: float | None, fault: FaultSpec | None, units: int, *,
-        step: int = 0,
-    ) -> TaskFuture:
+    def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
         """Step 2: the inputs go into Ray's object store, then the task into the queue."""
+        block_timeout = request.block_timeout
         for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
             self._end_queued(old, superseded_error(old))
         try:
             t0 = time.perf_counter()
-            ref = ray.put(item)  # step 2: arrays go out of band; the caller may reuse its arrays
+            ref = ray.put(admitted.item)  # step 2: arrays go out of band; the caller may reuse its arrays
             put_s = time.perf_counter() - t0
         except BaseException:
             self._queue.unreserve()
             raise
         fut = TaskFuture(self._weak)
-        abs_deadline = None if deadline is None else time.monotonic() + deadline
+        abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, context, self._seed(task_id),
-                           abs_deadline, fault, copy_in_s=put_s, ref=ref, units=units, step=step)
+            return RayTask(task_id, fut, _NO_PACK, None, admitted.shape_key, admitted.items, request.context,
+                           self._seed(task_id), abs_deadline, request.fault, copy_in_s=put_s, ref=ref,
+                           units=request.units, step=request.step)
 
         task = self._queue.accept(make)
         fut.slabpool_task = task
