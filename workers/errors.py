@@ -25,9 +25,10 @@
     │                          fails fast, with the worker's traceback
     └── EngineInternalError    a bug in slabpool (an illegal state transition, say)
 
-Errors cross the process boundary as `RemoteError` records (class name, message, formatted
-traceback), never as pickled runtime exceptions: unpickling onnxruntime's exception classes
-would need onnxruntime in the caller's process.
+Errors cross the process boundary as `RemoteError` records (an `ErrorKind`, class name,
+message, formatted traceback), never as pickled runtime exceptions: unpickling onnxruntime's
+exception classes would need onnxruntime in the caller's process. `from_remote` maps a kind
+back onto the tree through one table (`_FROM_REMOTE`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # workers import this module: no import of theirs at run time
@@ -175,21 +177,39 @@ def _rebuild(cls, args, state):  # type: ignore[no-untyped-def]
     return obj
 
 
+class ErrorKind(StrEnum):
+    """Whose fault a worker's error is, as a `RemoteError` says it (a str: it compares and
+    prints as its value)."""
+
+    CONTRACT = "contract"  # the input does not match the model
+    RUN = "run"  # the runtime, or the user's preprocess/postprocess, raised
+    TIMEOUT = "timeout"  # it ran past task_timeout
+    DEADLINE = "deadline"  # it waited in a worker's pipe past its deadline; not started
+    DATA = "data"  # its context, inputs or result do not (un)pickle
+    CAPACITY = "capacity"  # its outputs can never fit the output arena
+    SPLIT = "split"  # a batch's outputs do not fit one region together: sent again apart, uncharged
+
+
+# kind -> the caller's exception class and its message ({task_id}, {message}, {type_name});
+# CAPACITY is no TaskError (it says how much memory there is): from_remote builds it
+_FROM_REMOTE: dict[ErrorKind, tuple[type[TaskError], str]] = {
+    ErrorKind.DATA: (TaskDataError, "task {task_id}: {message}"),
+    ErrorKind.CONTRACT: (InputContractError, "task {task_id}: {message}"),
+    ErrorKind.DEADLINE: (TaskTimeout, "task {task_id} was still queued at its deadline; it was not started"),
+    ErrorKind.TIMEOUT: (TaskTimeout, "task {task_id} ran past task_timeout and was terminated: {message}"),
+    ErrorKind.RUN: (SessionRunError, "task {task_id} failed: {type_name}: {message}"),
+}
+
+
 def from_remote(err: RemoteError, task_id: int) -> EngineError:
-    """The caller's exception for a worker's RemoteError (a whole task's, or one chunk item's)."""
+    """The caller's exception for a worker's RemoteError (a whole task's, or one chunk item's);
+    a kind the table does not name (SPLIT, which the owner handles before) reads as RUN."""
     exc: EngineError
-    if err.kind == "capacity":
+    if err.kind == ErrorKind.CAPACITY:
         exc = ShmCapacityError(f"task {task_id}: {err.message}", needed=err.needed, available=err.available)
-    elif err.kind == "data":
-        exc = TaskDataError(f"task {task_id}: {err.message}", task_id=task_id)
-    elif err.kind == "contract":
-        exc = InputContractError(f"task {task_id}: {err.message}", task_id=task_id)
-    elif err.kind == "deadline":
-        exc = TaskTimeout(f"task {task_id} was still queued at its deadline; it was not started", task_id=task_id)
-    elif err.kind == "timeout":
-        exc = TaskTimeout(f"task {task_id} ran past task_timeout and was terminated: {err.message}", task_id=task_id)
     else:
-        exc = SessionRunError(f"task {task_id} failed: {err.type_name}: {err.message}", task_id=task_id)
+        cls, template = _FROM_REMOTE.get(err.kind) or _FROM_REMOTE[ErrorKind.RUN]
+        exc = cls(template.format(task_id=task_id, message=err.message, type_name=err.type_name), task_id=task_id)
     if err.traceback:
         exc.__cause__ = RemoteTraceback(err.traceback)
     return exc

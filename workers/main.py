@@ -33,7 +33,7 @@ import numpy as np
 
 from slabpool.shm.mapping import Mapping
 from slabpool.workers import context, faults, packing
-from slabpool.workers.errors import TaskDataError
+from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
 from slabpool.workers.pipeline import (
     IDLE,
@@ -126,7 +126,7 @@ def main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     try:
         boot = sealed.open()
     except BaseException as exc:  # noqa: BLE001 - a hook's module failed to import here
-        outbox.send(InitFailed(remote_error(exc, "run")))
+        outbox.send(InitFailed(remote_error(exc, ErrorKind.RUN)))
         return
     inputs = Mapping(in_fd, boot.in_capacity, writable=False)
     outputs = Mapping(out_fd, boot.out_capacity, writable=True)
@@ -137,7 +137,7 @@ def main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
             boot.initializer(*boot.initargs)
         session = load_session(boot.session) if boot.session is not None else None
     except BaseException as exc:  # noqa: BLE001 - every failure goes back as data
-        outbox.send(InitFailed(remote_error(exc, "run")))
+        outbox.send(InitFailed(remote_error(exc, ErrorKind.RUN)))
         return
     outbox.send(Ready(os.getpid(), session.info if session else None))
     Worker(boot, conn, outbox, inputs, outputs, session).loop()
@@ -198,7 +198,7 @@ class Worker:
                 try:
                     done = BatchDone(msg.batch_id, (), 0.0, 0) if self._revoked(msg.batch_id) else self.run_batch(msg)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
-                    err = remote_error(exc, "run")
+                    err = remote_error(exc, ErrorKind.RUN)
                     done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)
                 self.status[0] = IDLE
                 self._in_hand = IDLE
@@ -391,7 +391,7 @@ class Worker:
             try:
                 ctx = unseal(ctx, "the context")
             except TaskDataError as exc:
-                return remote_error(exc, "data")
+                return remote_error(exc, ErrorKind.DATA)
         with self._fields(t, stage), context.bind(ctx):
             return self._attempt(stage, thunk)
 
@@ -452,7 +452,7 @@ class Worker:
                     skeleton = self._seal_result(skeleton)
             except Exception as exc:  # noqa: BLE001 - the task's own data (an object array, a
                 # structure too deep to walk, ...): it fails alone
-                parts.append((t, None, [], remote_error(exc, "data" if isinstance(exc, TaskDataError) else "run")))
+                parts.append((t, None, [], remote_error(exc, ErrorKind.DATA if isinstance(exc, TaskDataError) else ErrorKind.RUN)))
                 continue
             parts.append((t, skeleton, arrays, None))
         sizes = [packing.layout(arrays)[1] for _, _, arrays, _ in parts]
@@ -528,7 +528,7 @@ class Worker:
             try:
                 items.append(seal(item, what))
             except TaskDataError as exc:
-                items.append(remote_error(exc, "data"))
+                items.append(remote_error(exc, ErrorKind.DATA))
         return Chunk(items)
 
     def _ask_output(self, batch_id: int, nbytes: int) -> OutputGrant:
@@ -558,7 +558,7 @@ def _denied(grant: OutputGrant, total: int) -> RemoteError:
     the outputs can never fit (grant.nbytes: the largest region there is)."""
     if grant.error == SPLIT:
         return RemoteError(SPLIT, "", "outputs too large to share one region", "")
-    return RemoteError("capacity", "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
+    return RemoteError(ErrorKind.CAPACITY, "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -583,6 +583,6 @@ def _split(res: Any) -> tuple[Any, list[np.ndarray]]:
             packing.split(out)
             items.append(out)
         except Exception as exc:  # noqa: BLE001 - that item's own data
-            items.append(remote_error(exc, "run"))
+            items.append(remote_error(exc, ErrorKind.RUN))
     return packing.split(Chunk(items))
 

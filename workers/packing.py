@@ -24,7 +24,7 @@ import numpy as np
 
 from slabpool.shm.alloc import align_up
 from slabpool.shm.pages import private_copy
-from slabpool.workers.errors import TaskDataError
+from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.protocol import (
     ArrayRef,
     Chunk,
@@ -315,7 +315,7 @@ def _fill_item(node: Any, arrays: list[np.ndarray]) -> Any:
     try:
         return _fill(node, arrays)
     except TaskDataError as exc:
-        return RemoteError("data", "TypeError", str(exc), "")
+        return RemoteError(ErrorKind.DATA, "TypeError", str(exc), "")
 
 
 def _fill(node: Any, arrays: list[np.ndarray]) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from slabpool.workers import contract, faults
-from slabpool.workers.errors import InputContractError, TaskDataError
+from slabpool.workers.errors import ErrorKind, InputContractError, TaskDataError
 from slabpool.workers.protocol import FaultSpec, RemoteError
 from slabpool.workers.session import ModelSession, RunTimeout
 
@@ -37,7 +37,7 @@ def seed_task(seed: int) -> None:
     random.seed(seed)
 
 
-def remote_error(exc: BaseException, kind: Any) -> RemoteError:
+def remote_error(exc: BaseException, kind: ErrorKind) -> RemoteError:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
 
@@ -46,19 +46,20 @@ class DeadlinePassed(Exception):
     """The task reached its deadline before it started (it waited in a worker's pipe)."""
 
 
-def error_kind(exc: BaseException) -> str:
+# whose fault an exception in the worker is, first match wins; anything else is RUN
+_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (InputContractError, ErrorKind.CONTRACT),
+    (TaskDataError, ErrorKind.DATA),
+    (RunTimeout, ErrorKind.TIMEOUT),
+    (DeadlinePassed, ErrorKind.DEADLINE),
+)
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
     """Whose fault, as the caller's side maps it: the input contract, data that does not
     (un)pickle, the time limit, the queue deadline, or the run itself (the runtime, or the
     user's pre/postprocess)."""
-    if isinstance(exc, InputContractError):
-        return "contract"
-    if isinstance(exc, TaskDataError):
-        return "data"
-    if isinstance(exc, RunTimeout):
-        return "timeout"
-    if isinstance(exc, DeadlinePassed):
-        return "deadline"
-    return "run"
+    return next((kind for cls, kind in _KINDS if isinstance(exc, cls)), ErrorKind.RUN)
 
 
 def spans(rows: int, step: int) -> list[tuple[int, int]]:

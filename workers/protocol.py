@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 import pickle
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
-from slabpool.workers.errors import TaskDataError
+from slabpool.workers.errors import ErrorKind, TaskDataError
 
 
 class ArrayRef(NamedTuple):
@@ -132,7 +132,7 @@ class RunBatch:
     out_nbytes: int = 0
 
 
-SPLIT: Final = "split"  # an OutputGrant's error and then that batch's RemoteError kind: its outputs
+SPLIT: Final = ErrorKind.SPLIT  # an OutputGrant's error and then that batch's RemoteError kind: its outputs
 # do not fit one region together; the supervisor sends its tasks again apart, uncharged
 
 
@@ -166,7 +166,7 @@ class Revoke:
 class RemoteError:
     """An exception in the worker, as data: never a pickled runtime exception object."""
 
-    kind: Literal["contract", "run", "timeout", "deadline", "data", "capacity", "split"]
+    kind: ErrorKind
     type_name: str
     message: str
     traceback: str
@@ -264,7 +264,7 @@ def _open_item(item: Any) -> Any:
     try:
         return unseal(item, "the result of this item")
     except TaskDataError as exc:
-        return RemoteError("data", "TypeError", str(exc), "")
+        return RemoteError(ErrorKind.DATA, "TypeError", str(exc), "")
 
 
 # -- the wire -----------------------------------------------------------------------------------

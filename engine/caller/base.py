@@ -408,12 +408,8 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
                                 info.model_digest, self._batchable, info.weights)
 
     def _counts(self) -> dict[str, int]:
-        c = self._queue.counters
         with self._queue.lock:
-            return {k: getattr(c, k) for k in ("accepted", "completed", "failed", "cancelled", "replayed",
-                                                 "quarantined", "timeouts", "stacked_batches",
-                                                 "outputs_in_place", "items_accepted", "items_completed",
-                                                 "items_failed", "items_cancelled")}
+            return self._queue.counters.snapshot()
 
     def _tally(self, *, accepted: int = 0, completed: int = 0, failed: int = 0, cancelled: int = 0) -> None:
         """Count the caller's items of chunks and blocks (their tasks count none themselves)."""

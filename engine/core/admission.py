@@ -13,12 +13,33 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
+from slabpool.engine.core.config import AdmissionPolicy
 from slabpool.engine.core.task import Batch, Task
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 MAX_GROUP = 32  # tasks in one group (one message each way)
 MIN_GROUP = 8  # tiny tasks per slot worth a message sent ahead to a busy slot
+
+
+class Counter(StrEnum):
+    """One of the engine's counters: a field of `Counters`, a field of `EngineStats`, a metric.
+    A str, so that `ledger.count("replayed")` and `ledger.count(Counter.REPLAYED)` are one call."""
+
+    ACCEPTED = "accepted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REPLAYED = "replayed"
+    QUARANTINED = "quarantined"
+    TIMEOUTS = "timeouts"
+    STACKED_BATCHES = "stacked_batches"
+    OUTPUTS_IN_PLACE = "outputs_in_place"
+    ITEMS_ACCEPTED = "items_accepted"
+    ITEMS_COMPLETED = "items_completed"
+    ITEMS_FAILED = "items_failed"
+    ITEMS_CANCELLED = "items_cancelled"
 
 
 @dataclass
@@ -44,6 +65,15 @@ class Counters:
     items_failed: int = 0
     items_cancelled: int = 0
 
+    def add(self, counter: Counter, n: int = 1) -> None:
+        """Add `n` to one counter (under the queue's lock). A name that is no counter raises
+        KeyError (where setattr would have made a new attribute nobody reads)."""
+        self.__dict__[counter] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter by name (under the queue's lock): EngineStats' counter fields."""
+        return {c.value: self.__dict__[c] for c in Counter}
+
 
 class TaskQueue:
     """The tasks accepted and not yet running, shared by caller threads (accept, reserve,
@@ -52,11 +82,12 @@ class TaskQueue:
     (block, reject, drop_oldest); replays go ahead of new work; it decides when a caller must
     wake the owner (`hungry`), and keeps the counters every backend reports."""
 
-    def __init__(self, capacity: int, policy: str, wake: Callable[[], None], max_bytes: int = 0) -> None:
+    def __init__(self, capacity: int, policy: AdmissionPolicy | str, wake: Callable[[], None],
+                 max_bytes: int = 0) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes  # input bytes queued (0: no limit); one task always fits
         self._bytes = 0  # input bytes of the queued tasks and of the reservations
-        self.policy = policy
+        self.policy = AdmissionPolicy.of(policy)
         self._wake = wake
         self._cond = threading.Condition()
         self._pending: dict[int, Task] = {}  # insertion (= acceptance) ordered
@@ -94,9 +125,9 @@ class TaskQueue:
                 over = bool(self.max_bytes) and bool(self._pending) and self._bytes + nbytes > self.max_bytes
                 if self._size() < self.capacity and not over:
                     break
-                if self.policy == "reject":
+                if self.policy is AdmissionPolicy.REJECT:
                     raise QueueFull(f"queue full ({len(self)} tasks, {self._bytes} bytes waiting); nothing accepted")
-                if self.policy == "drop_oldest" and self._pending:
+                if self.policy is AdmissionPolicy.DROP_OLDEST and self._pending:
                     superseded.append(self._take_out(next(iter(self._pending))))
                     continue
                 left = None if deadline is None else deadline - time.monotonic()

@@ -10,13 +10,31 @@ import pickle
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 from slabpool.workers.session import Backend, SessionSpec, detect_backend, model_digest
 from slabpool.workers.weights import default_cache_dir
 
 MiB = 1 << 20
-Admission = Literal["block", "reject", "drop_oldest"]
+Admission = Literal["block", "reject", "drop_oldest"]  # what a caller writes: admission="reject"
+
+
+class AdmissionPolicy(StrEnum):
+    """What a full queue does to a new task (engine.core.admission.TaskQueue.reserve)."""
+
+    BLOCK = "block"  # the caller waits for room (up to its block_timeout)
+    REJECT = "reject"  # QueueFull at once; nothing accepted
+    DROP_OLDEST = "drop_oldest"  # the oldest queued task is cancelled to make room
+
+    @classmethod
+    def of(cls, value: Any) -> AdmissionPolicy:
+        """The policy a setting names; ValueError naming every choice for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(f"admission must be one of {choices}, got {value!r}") from None
 
 
 def usable_cpus() -> int:
@@ -47,7 +65,7 @@ class EngineConfig:
     initializer: Callable[..., Any] | None = None
     initargs: tuple[Any, ...] = ()
     queue_capacity: int = 0
-    admission: Admission = "block"
+    admission: AdmissionPolicy = AdmissionPolicy.BLOCK
     max_attempts: int = 3
     task_timeout: float | None = None
     max_tasks_per_worker: int | None = None
@@ -126,8 +144,7 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     kw["backend"] = None if backend == "auto" else backend
     if kw.get("providers") is not None:
         kw["providers"] = tuple(kw["providers"])
-    if kw.get("admission", "block") not in ("block", "reject", "drop_oldest"):
-        raise ValueError(f"admission must be 'block', 'reject' or 'drop_oldest', got {kw['admission']!r}")
+    kw["admission"] = AdmissionPolicy.of(kw.get("admission", "block"))
     if kw.get("shm_backend", "memfd") not in ("memfd", "posix"):
         raise ValueError(f"shm_backend must be 'memfd' or 'posix', got {kw['shm_backend']!r}")
     for name in ("preprocess", "postprocess", "initializer"):

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from slabpool.engine.core.admission import Counter
 from slabpool.engine.core.states import SlotState
 
 if TYPE_CHECKING:
@@ -123,21 +124,21 @@ _HISTOGRAM_HELP = {
     f"{PREFIX}_end_to_end_seconds": "Seconds from acceptance to result, per completed task.",
 }
 
-_COUNTERS = (
-    ("accepted", "Tasks accepted."),
-    ("completed", "Tasks that ended with a result."),
-    ("failed", "Tasks that ended with an error."),
-    ("cancelled", "Tasks cancelled (by the caller, by close, or superseded)."),
-    ("replayed", "Task replays after a worker died."),
-    ("quarantined", "Tasks quarantined as poison."),
-    ("timeouts", "Tasks that hit their deadline or task_timeout."),
-)
-_ITEM_COUNTERS = (
-    ("accepted", "Items the caller handed in (a submit, a map() item, a row of infer(batch_size=))."),
-    ("completed", "Items that ended with a result."),
-    ("failed", "Items that ended with an error."),
-    ("cancelled", "Items cancelled or never run."),
-)
+_COUNTERS = {  # exposed as slabpool_tasks_<name>_total
+    Counter.ACCEPTED: "Tasks accepted.",
+    Counter.COMPLETED: "Tasks that ended with a result.",
+    Counter.FAILED: "Tasks that ended with an error.",
+    Counter.CANCELLED: "Tasks cancelled (by the caller, by close, or superseded).",
+    Counter.REPLAYED: "Task replays after a worker died.",
+    Counter.QUARANTINED: "Tasks quarantined as poison.",
+    Counter.TIMEOUTS: "Tasks that hit their deadline or task_timeout.",
+}
+_ITEM_COUNTERS = {  # exposed as slabpool_items_<name>_total
+    Counter.ITEMS_ACCEPTED: "Items the caller handed in (a submit, a map() item, a row of infer(batch_size=)).",
+    Counter.ITEMS_COMPLETED: "Items that ended with a result.",
+    Counter.ITEMS_FAILED: "Items that ended with an error.",
+    Counter.ITEMS_CANCELLED: "Items cancelled or never run.",
+}
 
 
 # -- one model of what is exposed ---------------------------------------------------------------
@@ -171,9 +172,9 @@ class Observed(Protocol):
 def families(engine: Observed) -> list[Family]:
     """Every family, from one `stats()` snapshot and one histogram snapshot."""
     st = engine.stats()
-    out = [_family(f"tasks_{name}", "counter", help_, [((), getattr(st, name))]) for name, help_ in _COUNTERS]
-    out += [_family(f"items_{name}", "counter", help_, [((), getattr(st, f"items_{name}"))])
-            for name, help_ in _ITEM_COUNTERS]
+    counts = st.counts()
+    out = [_family(f"tasks_{c}", "counter", help_, [((), counts[c])]) for c, help_ in _COUNTERS.items()]
+    out += [_family(c, "counter", help_, [((), counts[c])]) for c, help_ in _ITEM_COUNTERS.items()]
     out += _slot_families(st)
     out += [
         _family("queue_depth", "gauge", "Tasks accepted and not yet running.", [((), st.queued)]),

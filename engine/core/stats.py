@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slabpool.engine.core.admission import Counter
 from slabpool.workers.protocol import TensorSpec
 
 
@@ -64,3 +65,7 @@ class EngineStats:
     items_failed: int = 0  # ... that ended with an error (a failed row of a block, say)
     items_cancelled: int = 0  # ... cancelled, or never run (map() abandoned, close)
     pool_shape: str = ""  # workers="auto": the workers x threads chosen, and why
+
+    def counts(self) -> dict[Counter, int]:
+        """Every counter of this snapshot, by `Counter` (the metrics' one way to read them)."""
+        return {c: getattr(self, c) for c in Counter}

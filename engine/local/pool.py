@@ -17,7 +17,7 @@ import psutil
 from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
-from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.states import EngineState
 from slabpool.engine.core.stats import EngineStats, SlotStats
@@ -139,7 +139,8 @@ class Engine(BaseEngine):
                 f"the inputs take {nbytes} bytes but the input arena holds {self._inputs.capacity} "
                 "bytes; raise shm_capacity", needed=nbytes, available=self._inputs.capacity)
         t_start = time.monotonic()
-        for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None, nbytes):
+        for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
+                                       nbytes):
             self._end_queued(old, superseded_error(old))
         try:
             lease = None

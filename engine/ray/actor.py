@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from slabpool.workers import context as task_context
+from slabpool.workers.errors import ErrorKind
 from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, seed_task
 from slabpool.workers.protocol import FaultSpec, RemoteError, SessionInfo
 from slabpool.workers.session import ModelSession, SessionSpec, load_session
@@ -60,7 +61,7 @@ class SlotActor:
                 initializer(*initargs)
             self.session = load_session(spec) if spec is not None else None
         except Exception as exc:  # noqa: BLE001
-            self.error = remote_error(exc, "run")
+            self.error = remote_error(exc, ErrorKind.RUN)
         self.pipeline = TaskPipeline(self.session, preprocess, postprocess)
 
     def ready(self) -> ActorReady:

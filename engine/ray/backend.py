@@ -44,7 +44,7 @@ import ray
 from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
-from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
@@ -122,7 +122,7 @@ class RayEngine(BaseEngine):
     def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
         """Step 2: the inputs go into Ray's object store, then the task into the queue."""
         block_timeout = request.block_timeout
-        for old in self._queue.reserve(block_timeout if self.config.admission == "block" else None):
+        for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None):
             self._end_queued(old, superseded_error(old))
         try:
             t0 = time.perf_counter()
