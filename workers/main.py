@@ -40,7 +40,7 @@ from slabpool.workers.pipeline import (
     STACKED,
     DeadlinePassed,
     TaskPipeline,
-    error_kind,
+    failure,
     in_steps,
     remote_error,
     seed_task,
@@ -254,50 +254,15 @@ class Worker:
         return self.pipeline.prepare(item)  # preprocess, then the input contract
 
     def _run_chunk(self, t: TaskSpec) -> Chunk:
-        """A chunk task (Engine.map): its items prepared, run (stacked in one session call when
-        they can be), post-processed; an item's error is that item's outcome alone."""
+        """A chunk task (Engine.map): its items through the pipeline item by item (run stacked
+        in one session call when they can be: stack_chunks); an item's error is that item's
+        outcome alone. The context is bound by the caller (_guarded)."""
         if self.boot.preprocess is not None or self.boot.postprocess is not None:
             seed_task(t.seed)
         items = packing.unpack(t.item, self.inputs.array)
-        faults.inject(t.fault, "preprocess")
-        # the context is bound by the caller (_guarded); per item, only errors are caught
-        if self.boot.preprocess is None:  # each item passed the contract at the door as it is
-            outs: list[Any] = list(items)
-        else:
-            with self._fields(t, "preprocess"):
-                outs = self._each("preprocess", self.pipeline.prepare, items)
-        ok = [i for i, f in enumerate(outs) if type(f) is not RemoteError]
-        if self.session is not None and ok:
-            faults.inject(t.fault, "run")
-            stack = self.boot.stack_chunks and len(ok) > 1  # opt-in, as dynamic batching: bits may move
-            stacked = self._stack_items([outs[i] for i in ok]) if stack else None
-            if stacked is not None:
-                for n, i in enumerate(ok):
-                    outs[i] = stacked[n]
-            else:
-                timeout = self.boot.task_timeout
-                run = self.session.run if timeout is None else functools.partial(self.session.run, timeout=timeout)
-                outs = self._each("run", run, outs)
-        if self.boot.postprocess is not None:
-            faults.inject(t.fault, "postprocess")
-            post = self.boot.postprocess
-            with self._fields(t, "postprocess"):
-                outs = self._each("postprocess", post, outs, items)
-        return Chunk(outs)
-
-    def _each(self, stage: str, fn: Callable[..., Any], values: list[Any], *more: list[Any]) -> list[Any]:
-        """fn(value, *more values at its place) for each value of a chunk, or that item's error
-        as its RemoteError; a value that is a RemoteError already stays as it is."""
-        out = []
-        for j, v in enumerate(values):
-            if type(v) is RemoteError:
-                out.append(v)
-                continue
-            try:
-                out.append(fn(v, *(m[j] for m in more)))
-            except Exception as exc:  # noqa: BLE001 - the item's own error: its outcome alone
-                out.append(self._failure(stage, exc))
-        return out
+        stacked = self._stack_items if self.boot.stack_chunks else None  # opt-in, as batching: bits may move
+        fields = functools.partial(self._fields, t)
+        return Chunk(self.pipeline.chunk(items, self.boot.task_timeout, t.fault, stacked, fields))
 
     def _stack_items(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
         """One session call for items of equal trailing shapes on a batchable model; None if
@@ -379,9 +344,8 @@ class Worker:
 
     def _post(self, outputs: Any, t: TaskSpec) -> Any:
         faults.inject(t.fault, "postprocess")
-        assert self.boot.postprocess is not None
         item = packing.unpack(t.item, self.inputs.array)
-        return self.boot.postprocess(outputs, item)
+        return self.pipeline.finish(outputs, item)
 
     def _guarded(self, t: TaskSpec, stage: str, thunk: Callable[[], Any]) -> Any:
         """Run one stage of one task with its context bound; an error becomes a RemoteError."""
@@ -416,20 +380,13 @@ class Worker:
         finally:
             task_fields.reset(token)
 
-    @classmethod
-    def _attempt(cls, stage: str, thunk: Callable[[], Any]) -> Any:
+    @staticmethod
+    def _attempt(stage: str, thunk: Callable[[], Any]) -> Any:
         """thunk(), or its error as a RemoteError (logged)."""
         try:
             return thunk()
         except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-            return cls._failure(stage, exc)
-
-    @staticmethod
-    def _failure(stage: str, exc: Exception) -> RemoteError:
-        """An error of one task (or one item of a chunk) at `stage`, as a RemoteError (logged)."""
-        err = remote_error(exc, error_kind(exc))
-        log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
-        return err
+            return failure(stage, exc)
 
     # -- step 7: outputs into shared memory ----------------------------------------------------
 

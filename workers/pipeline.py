@@ -10,14 +10,22 @@
 An error leaves the worker as a `RemoteError` record (kind, class name, message, traceback),
 never as a pickled exception (`remote_error`); the caller's side maps it back onto the error
 tree (`errors.from_remote`).
+
+`TaskPipeline` holds the four steps once. A task (`__call__`, or the process worker's own
+sequence for a batch of tasks: prepare, run, finish) and a map() chunk (`chunk`: the same
+steps item by item, an item's error its own outcome) both go through them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import random
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -26,6 +34,8 @@ from slabpool.workers import contract, faults
 from slabpool.workers.errors import ErrorKind, InputContractError, TaskDataError
 from slabpool.workers.protocol import FaultSpec, RemoteError
 from slabpool.workers.session import ModelSession, RunTimeout
+
+log = logging.getLogger("slabpool.workers")
 
 # A slot's status word in shared memory holds the id of the task its worker is in, or:
 IDLE, STACKED = -1, -2  # no task / a stacked batch (every task of it at once)
@@ -40,6 +50,13 @@ def seed_task(seed: int) -> None:
 def remote_error(exc: BaseException, kind: ErrorKind) -> RemoteError:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
+
+
+def failure(stage: str, exc: BaseException) -> RemoteError:
+    """An error of one task (or one item of a chunk) at `stage`, as a RemoteError (logged)."""
+    err = remote_error(exc, error_kind(exc))
+    log.info("task failed in %s: %s", stage, err.type_name, extra={"error": err.type_name})
+    return err
 
 
 class DeadlinePassed(Exception):
@@ -142,6 +159,41 @@ class TaskPipeline:
         self.stage = "postprocess"
         return self.postprocess(outputs, item) if self.postprocess is not None else outputs
 
+    def chunk(
+        self,
+        items: list[Any],
+        timeout: float | None,
+        fault: FaultSpec | None = None,
+        stacked: Callable[[list[Any]], list[Any] | None] | None = None,
+        fields: Callable[[str], AbstractContextManager[None]] = lambda _: contextlib.nullcontext(),
+    ) -> list[Any]:
+        """A map() chunk's items through the same four steps, item by item: each item's
+        outcome is its outputs or its own error (a RemoteError in its place); an item that
+        failed goes no further. Without a preprocess the items are fed as they are (each
+        passed the input contract at the door). `stacked(feeds)` may run the prepared items
+        in one session call (None: it could not, and they run one by one); `fields(stage)`
+        binds the log fields of the stage (the caller's task and attempt)."""
+        faults.inject(fault, "preprocess")
+        if self.preprocess is None:
+            outs = list(items)
+        else:
+            with fields("preprocess"):
+                outs = _each("preprocess", self.prepare, items)
+        ok = [i for i, f in enumerate(outs) if type(f) is not RemoteError]
+        if self.session is not None and ok:
+            faults.inject(fault, "run")
+            done = stacked([outs[i] for i in ok]) if stacked is not None and len(ok) > 1 else None
+            if done is not None:
+                for n, i in enumerate(ok):
+                    outs[i] = done[n]
+            else:
+                outs = _each("run", functools.partial(self.run, timeout=timeout), outs)
+        if self.postprocess is not None:
+            faults.inject(fault, "postprocess")
+            with fields("postprocess"):
+                outs = _each("postprocess", self.finish, outs, items)
+        return outs
+
     def __call__(self, item: Any, timeout: float | None = None, fault: FaultSpec | None = None,
                  step: int = 0) -> Any:
         """All four steps for one item (a block of rows: `step` rows a session call); `fault`
@@ -156,3 +208,18 @@ class TaskPipeline:
             outputs = self.finish(outputs, item)
         faults.inject(fault, "write_outputs")
         return outputs
+
+
+def _each(stage: str, fn: Callable[..., Any], values: list[Any], *more: list[Any]) -> list[Any]:
+    """fn(value, *more values at its place) for each value of a chunk, or that item's error
+    as its RemoteError; a value that is a RemoteError already stays as it is."""
+    out = []
+    for j, v in enumerate(values):
+        if type(v) is RemoteError:
+            out.append(v)
+            continue
+        try:
+            out.append(fn(v, *(m[j] for m in more)))
+        except Exception as exc:  # noqa: BLE001 - the item's own error: its outcome alone
+            out.append(failure(stage, exc))
+    return out
