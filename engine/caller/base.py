@@ -157,7 +157,8 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         self._check_accepting()
         admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
         if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
-            admitted = Admitted(admitted.item, ("block", admitted.items, admitted.shape_key), 0)
+            item, shape_key, items = admitted
+            admitted = item, ("block", items, shape_key), 0
         return self._enqueue(request, admitted)
 
     def _check_accepting(self) -> None:
@@ -232,18 +233,18 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         Inputs of a signature (names, exact array types, dtypes, shapes) already checked are
         not checked again: the contract depends on nothing else."""
         if self.config.preprocess is not None or not self._specs:
-            return Admitted(inputs, ("item",), 1)
+            return inputs, ("item",), 1
         sig = contract.signature(inputs) if type(inputs) is dict else None
         if sig is not None:
             known = self._admitted.get(sig)
             if known is not None:
-                return Admitted(dict(inputs), known[0], known[1])
+                return dict(inputs), known[0], known[1]
         feeds = contract.check(contract.normalize(inputs, self._specs), self._specs)
         key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
         items = next(iter(feeds.values())).shape[0] if self._batchable else 1
         if sig is not None:
             self._admitted.add(sig, (key, items))
-        return Admitted(feeds, key, items)
+        return feeds, key, items
 
     def _set_specs(self, info: SessionInfo | None) -> None:
         self._specs = info.inputs if info else ()

@@ -123,13 +123,14 @@ class Engine(BaseEngine):
         """Several items as one task (Engine.map): its Result's outputs are a Chunk, one
         outcome per item (see workers/protocol.Chunk)."""
         self._check_accepting()
-        chunk = Chunk(self._admit(x).item for x in inputs)  # each item checked at the door
-        return self._enqueue(Request(chunk, context, units=0), Admitted(chunk, ("chunk", len(chunk)), 0))
+        chunk = Chunk(self._admit(x)[0] for x in inputs)  # each item checked at the door
+        return self._enqueue(Request(chunk, context, units=0), (chunk, ("chunk", len(chunk)), 0))
 
     def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
         """Step 2: seal user data, lease input memory and copy the inputs in, then queue."""
         context, block_timeout = request.context, request.block_timeout
-        skeleton, arrays = packing.split(admitted.item)
+        item, shape_key, items = admitted
+        skeleton, arrays = packing.split(item)
         if self.config.preprocess is not None and not _plain(skeleton):  # user data: a TypeError
             skeleton = _seal_items(skeleton) if type(skeleton) is Chunk else seal(skeleton, "the inputs")
         wire_context = None if context is None else seal(context, "the context")
@@ -162,7 +163,7 @@ class Engine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return Task(task_id, fut, packed, lease, admitted.shape_key, admitted.items, context, self._seed(task_id),
+            return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
                         abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes, units=request.units,
                         wire_context=wire_context, step=request.step)
 

@@ -122,11 +122,12 @@ class RayEngine(BaseEngine):
     def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
         """Step 2: the inputs go into Ray's object store, then the task into the queue."""
         block_timeout = request.block_timeout
+        item, shape_key, items = admitted
         for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None):
             self._end_queued(old, superseded_error(old))
         try:
             t0 = time.perf_counter()
-            ref = ray.put(admitted.item)  # step 2: arrays go out of band; the caller may reuse its arrays
+            ref = ray.put(item)  # step 2: arrays go out of band; the caller may reuse its arrays
             put_s = time.perf_counter() - t0
         except BaseException:
             self._queue.unreserve()
@@ -135,7 +136,7 @@ class RayEngine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return RayTask(task_id, fut, _NO_PACK, None, admitted.shape_key, admitted.items, request.context,
+            return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, request.context,
                            self._seed(task_id), abs_deadline, request.fault, copy_in_s=put_s, ref=ref,
                            units=request.units, step=request.step)
 
