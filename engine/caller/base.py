@@ -1,10 +1,11 @@
 """The caller's side that every backend shares: the local `Engine` and `RayEngine` differ in
 where tasks run, not in how a caller talks to them.
 
-A backend provides `_start` (its owner thread, `_owner`), `_enqueue` (step 2: hand a checked
-task over), `_end_queued`, `_info()`, `stats()`, `_after_close` and `_reload_plan` (how it swaps
-a slot's model); `submit`, `close`, `cancel`, `infer`, `map`, `reload` and the rest are built
-here on those and on the owner thread's `call()`.
+A backend provides `_start` (its owner thread, `_owner`), `_enqueue(request, admitted)`
+(step 2: hand a checked task over), `_end_queued`, `_info()`, `stats()`, `_after_close` and
+`_reload_plan` (how it swaps a slot's model); `submit`, `close`, `cancel`, `infer`, `map`,
+`reload` and the rest are built here on those and on the owner thread's `call()`. Every way in
+builds one `request.Request` and hands it to `_submit`.
 """
 
 from __future__ import annotations

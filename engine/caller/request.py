@@ -1,9 +1,10 @@
 """One task as the caller's side asks for it: the one internal request that every way in builds.
 
-    submit(x)                 Request(x, context, deadline, block_timeout)
-    map() (item, rerun)       Request(x, context, units=0 when it reruns alone)     --> _submit(request)
-    infer(batch_size=), job   Request(rows, context, block_timeout, units=0, step)       1 admit (the contract)
-    tests (engine.caller.faults)  Request(x, fault=FaultSpec(...))                        2 backend._enqueue(request, admitted)
+    submit(x)                     Request(x, context, deadline, block_timeout)  --+
+    map(): an item run alone      Request(x, context, units=0)                    |
+    infer(batch_size=), the job   Request(rows, context, ..., units=0, step)      +--> _submit(request)
+    tests (engine.caller.faults)  Request(x, fault=FaultSpec(...))              --+    1 _admit: the contract
+                                                                                       2 _enqueue(request, admitted)
 
 `BaseEngine._submit(request)` is the one documented internal entry point: step 1 (the input
 contract, `BaseEngine._admit`, which gives an `Admitted`), then the backend's
@@ -11,8 +12,9 @@ contract, `BaseEngine._admit`, which gives an `Admitted`), then the backend's
 engine's `_submit_chunk` admits each of its items and hands `_enqueue` a request of its own.
 
 A request is a NamedTuple: immutable, typed, and cheap to build (~0.3 us; the one object
-submit() allocates on top of what it did before; `Admitted` is the plain tuple it was). `JobEngine` is what the batch job
-(engine/job) asks of an engine, internals included, so that mypy checks the job's calls.
+submit() allocates on top of what it did before; `Admitted` is the plain tuple it was).
+`JobEngine` is what the batch job (engine/job) asks of an engine, internals included, so that
+mypy checks the job's calls.
 """
 
 from __future__ import annotations
