@@ -2,9 +2,10 @@
 `slabpool serve` (docs/serve.md). Each candidate serves the same POST (read the body, answer a
 fixed JSON) with no model behind it, under the same wrk load, twice in alternation:
 
-    raw-httptools   a plain ASGI app on uvicorn, httptools parser, uvloop    (what serve uses)
+    raw-httptools   a plain ASGI app on uvicorn, httptools parser, uvloop    (what serve used before)
     raw-h11         the same app on uvicorn's pure-Python h11 parser, asyncio loop
     starlette       a Starlette Route (Request.body(), Response) on uvicorn, httptools, uvloop
+    protocol        an asyncio Protocol on httptools' parser, uvloop, no ASGI  (what serve uses)
 """
 
 from __future__ import annotations
@@ -39,13 +40,37 @@ def starlette():
         await request.body()
         return Response(ANSWER, media_type="application/json")
     return Starlette(routes=[Route("/v2/models/{{name}}/infer", infer, methods=["POST"])])
+class Proto:
+    def connection_made(self, transport):
+        import httptools
+        self.t, self.p = transport, httptools.HttpRequestParser(self)
+    def data_received(self, data):
+        self.p.feed_data(data)
+    def on_message_complete(self):
+        self.t.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n%s"
+                     % (len(ANSWER), ANSWER))
+    def connection_lost(self, exc):
+        pass
+    def pause_writing(self):
+        pass
+    def resume_writing(self):
+        pass
+    def eof_received(self):
+        pass
 kind, port = sys.argv[1], int(sys.argv[2])
+if kind == "protocol":
+    import asyncio, uvloop
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(Proto, "127.0.0.1", port)
+        await srv.serve_forever()
+    uvloop.run(main())
+    sys.exit()
 app = starlette() if kind == "starlette" else raw
 http, loop = ("h11", "asyncio") if kind == "raw-h11" else ("httptools", "uvloop")
 uvicorn.run(app, host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning", access_log=False,
             lifespan="off")
 """
-KINDS = ("raw-httptools", "raw-h11", "starlette")
+KINDS = ("protocol", "raw-httptools", "raw-h11", "starlette")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,41 @@ class Frontend:
 
         return {"name": "slabpool", "version": __version__, "extensions": list(EXTENSIONS)}
 
+    # -- the repository extension (both transports) -----------------------------------------------
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        out = []
+        for name, m in self.repo.items():
+            ready = m.ready()
+            if ready or not ready_only:
+                out.append({"name": name, "version": m.version, "state": "READY" if ready else "UNAVAILABLE"})
+        return out
+
+    async def load(self, name: str, params: dict[str, Any]) -> str:
+        """Reload `name` without downtime (slot by slot, Engine.reload), from its file or from
+        params["path"]; the new version. Triton's other load parameters ("config", "file:...")
+        are not taken: refused by name, never ignored."""
+        served = self.repo[name]
+        other = sorted(k for k in params if k != "path")
+        if other:
+            raise BadRequest(f"load of {name!r}: parameters {other} are not supported; the only one is \"path\" "
+                             "(a model file the server can read)")
+        path = params.get("path")
+        if path is not None and not isinstance(path, str):
+            raise BadRequest(f"parameters.path must be a string, got {path!r}")
+        from slabpool import SessionInitError, SignatureChanged
+
+        try:
+            return str(await served.reload(path))
+        except (SignatureChanged, FileNotFoundError, ValueError) as exc:
+            raise BadRequest(f"reload of {name!r} refused: {exc}; the old model keeps serving") from None
+        except SessionInitError as exc:
+            raise ServeError(f"reload of {name!r} failed: {exc}; the old model keeps serving") from None
+
+    def unload(self, name: str) -> None:
+        self.repo[name]  # an unknown model is 404 / NOT_FOUND
+        raise BadRequest("unload is not supported: every model is served from start to shutdown")
+
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(self, req: InferRequest) -> InferResponse:

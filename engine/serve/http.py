@@ -1,4 +1,4 @@
-"""The protocol over HTTP/REST: a plain ASGI app (served by uvicorn with httptools and uvloop).
+"""The protocol over HTTP/REST: the routes, on the server's own HTTP/1.1 (h1.py, httptools, uvloop).
 
     GET  v2/health/live | v2/health/ready              200 {"live"|"ready": true}; 503 when not ready
     GET  v2                                            server metadata
@@ -9,18 +9,19 @@
     GET  metrics                                       Prometheus text
 
 No framework routes it: the paths are few and fixed, and a router's per-request matching
-costs more than this whole dispatch (the choice is measured in docs/serve.md). While an
-inference waits, a watcher reads the connection: a client that disconnects cancels its request
-(queued: it never runs). A body past --max-request-bytes is refused (413) by its
-Content-Length before it is read, or as soon as a chunked body passes the limit: never buffered whole.
+costs more than this whole dispatch (the choice is measured in docs/serve.md). Every route
+but inference and reload answers at once, without a task; an inference is one task, which
+h1.py cancels when its client disconnects (queued: it never runs). A body past
+--max-request-bytes is refused (413) by h1.py before it is buffered whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import time
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -28,141 +29,106 @@ import orjson
 
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
-from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status, TooLarge
+from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status
+from slabpool.engine.serve.h1 import Request, Response
 from slabpool.engine.serve.metrics import CONTENT_TYPE
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
 HEADER_LENGTH = b"inference-header-content-length"
-_JSON = [(b"content-type", b"application/json")]
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
+_BINARY = b"application/octet-stream"
+_METRICS = CONTENT_TYPE.encode()
+
+
+def refuse(status: int, message: str) -> Response:
+    """The protocol's error object."""
+    return Response(status, orjson.dumps({"error": message}))
+
+
+def _error(exc: ServeError) -> Response:
+    return refuse(exc.status.http, str(exc))
 
 
 class HttpApp:
-    def __init__(self, frontend: Frontend, max_request_bytes: int) -> None:
+    """h1.py's handler: a request -> its Response, or a coroutine that makes one."""
+
+    def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
-        self.max_request_bytes = max_request_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan: nothing to start, the engines are up already
-            if scope["type"] == "lifespan":
-                await _lifespan(receive, send)
-            return
-        started = time.perf_counter()
-        parts = scope["path"].strip("/").split("/")
-        method = scope["method"]
-        if method == "POST" and len(parts) >= 4 and parts[:2] == ["v2", "models"] and parts[-1] == "infer":
-            await self._infer(scope, receive, send, parts, started)
-            return
+    def __call__(self, req: Request) -> Response | Awaitable[Response]:
+        parts = req.path.strip("/").split("/")
+        if req.method == "POST" and len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" \
+                and parts[-1] == "infer":
+            return self._infer(req, parts)
         try:
-            status, body = await self._route(method, parts, scope, receive)
+            return self._route(req, parts)
         except ServeError as exc:
-            status, body = exc.status, {"error": str(exc)}
-        if status is Status.CANCELLED:
-            return
-        if isinstance(body, bytes):
-            await _send(send, status.http, body, [(b"content-type", CONTENT_TYPE.encode())])
-        else:
-            await _send(send, status.http, orjson.dumps(body), _JSON)
+            return _error(exc)
 
-    async def _route(self, method: str, parts: list[str], scope: Scope, receive: Receive) -> tuple[Status, Any]:
-        fe = self.fe
+    def _route(self, req: Request, parts: list[str]) -> Response | Awaitable[Response]:
+        fe, method = self.fe, req.method
         if parts == ["metrics"] and method == "GET":
-            return Status.OK, fe.metrics.render()
+            return Response(200, fe.metrics.render(), _METRICS)
         if parts == ["v2", "health", "live"]:
-            return Status.OK, {"live": True}
+            return _json_response(Status.OK, {"live": True})
         if parts == ["v2", "health", "ready"]:
             ready = fe.ready()
-            return (Status.OK if ready else Status.UNAVAILABLE), {"ready": ready}
+            return _json_response(Status.OK if ready else Status.UNAVAILABLE, {"ready": ready})
         if parts == ["v2"]:
-            return Status.OK, fe.server_metadata()
+            return _json_response(Status.OK, fe.server_metadata())
         if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
             name, version, rest = _model_path(parts)
             if rest == []:
-                return Status.OK, fe.model_metadata(name, version)
+                return _json_response(Status.OK, fe.model_metadata(name, version))
             if rest == ["ready"]:
                 ready = fe.model_ready(name, version)
-                return (Status.OK if ready else Status.UNAVAILABLE), {"name": name, "ready": ready}
+                return _json_response(Status.OK if ready else Status.UNAVAILABLE, {"name": name, "ready": ready})
         if method == "POST" and parts[:2] == ["v2", "repository"]:
-            return await self._repository(parts[2:], await _body(scope, receive, self.max_request_bytes))
+            return self._repository(parts[2:], req.body)
         raise NotFound(f"no route {method} /{'/'.join(parts)}")
 
-    async def _repository(self, parts: list[str], body: bytes) -> tuple[Status, Any]:
+    def _repository(self, parts: list[str], body: bytes) -> Response | Awaitable[Response]:
         fe = self.fe
+        head = _json(body) if body else {}
         if parts == ["index"]:
-            return Status.OK, [{"name": n, "version": m.version, "state": "READY" if m.ready() else "UNAVAILABLE"}
-                               for n, m in fe.repo.items()]
+            return _json_response(Status.OK, fe.repository_index(_flag(head, "ready", "the index request")))
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "load":
-            params = _params(_json(body).get("parameters"), "the load request") if body else {}
-            path = params.get("path")
-            if path is not None and not isinstance(path, str):
-                raise BadRequest(f"parameters.path must be a string, got {path!r}")
-            version = await _reload(fe.repo[parts[1]], path)
-            return Status.OK, {"name": parts[1], "version": version}
+            return self._load(parts[1], _params(head.get("parameters"), "the load request"))
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "unload":
-            raise BadRequest("unload is not supported: every model is served from start to shutdown")
+            fe.unload(parts[1])
         raise NotFound(f"no route POST /v2/repository/{'/'.join(parts)}")
+
+    async def _load(self, name: str, params: dict[str, Any]) -> Response:
+        try:
+            version = await self.fe.load(name, params)
+        except ServeError as exc:
+            return _error(exc)
+        return _json_response(Status.OK, {"name": name, "version": version})
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, parts: list[str], started: float) -> None:
+    async def _infer(self, r: Request, parts: list[str]) -> Response:
         name, version, _ = _model_path(parts[:-1])
-        request_id = ""
+        fe, request_id = self.fe, ""
         try:
-            self.fe.repo[name].check_version(version)  # 404 before the body is read
-            body = await _body(scope, receive, self.max_request_bytes)
-            req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
+            req = decode_request(name, version, r.body, r.headers.get(HEADER_LENGTH))
             request_id = req.id
-            resp = await _watching(receive, self.fe.infer(req))
-            payload, header_len = encode_response(resp)
+            payload, header_len = encode_response(await fe.infer(req))
         except ServeError as exc:
-            status = exc.status
-            if status is not Status.CANCELLED:
-                await _send(send, status.http, orjson.dumps({"error": str(exc)}), _JSON)
-            self.fe.record(name, "http", status, started, request_id)
-            return
-        headers = _JSON if header_len is None else [
-            (b"content-type", b"application/octet-stream"), (HEADER_LENGTH, str(header_len).encode())]
-        await _send(send, 200, payload, headers)
-        self.fe.record(name, "http", Status.OK, started, request_id)
-
-
-async def _reload(served: Any, path: str | None) -> str:
-    from slabpool import SessionInitError, SignatureChanged
-
-    try:
-        return str(await served.reload(path))
-    except (SignatureChanged, FileNotFoundError, ValueError) as exc:
-        raise BadRequest(f"reload of {served.name!r} refused: {exc}; the old model keeps serving") from None
-    except SessionInitError as exc:
-        raise ServeError(f"reload of {served.name!r} failed: {exc}; the old model keeps serving") from None
-
-
-async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
-    """Await `work` in this task while a watcher reads the connection: a disconnect of the
-    client cancels this task, and so the request's engine task (queued: it never runs)."""
-    me = asyncio.current_task()
-    assert me is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        if (await receive())["type"] == "http.disconnect":  # the body is read: only this can come
-            gone = True
-            me.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
+            resp = _error(exc)
+            resp.after = functools.partial(fe.record, name, "http", exc.status, r.started, request_id)
+            return resp
+        except asyncio.CancelledError:
+            if r.gone:  # the client disconnected: its request was cancelled, nobody reads an answer
+                fe.record(name, "http", Status.CANCELLED, r.started, request_id)
             raise
-        me.uncancel()
-        raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED) from None
-    finally:
-        watcher.cancel()
+        after = functools.partial(fe.record, name, "http", Status.OK, r.started, request_id)
+        if header_len is None:
+            return Response(200, payload, after=after)
+        return Response(200, payload, _BINARY, [(HEADER_LENGTH, b"%d" % header_len)], after=after)
+
+
+def _json_response(status: Status, body: Any) -> Response:
+    return Response(status.http, orjson.dumps(body))
 
 
 def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
@@ -171,57 +137,6 @@ def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
     if len(rest) >= 2 and rest[0] == "versions":
         return name, rest[1], rest[2:]
     return name, "", rest
-
-
-def _header(scope: Scope, key: bytes) -> bytes | None:
-    for k, v in scope["headers"]:
-        if k == key:
-            return bytes(v)
-    return None
-
-
-async def _body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refused (413) past the limit: by its Content-Length before a byte is
-    read, and while it streams, since a chunked body has no length up front."""
-    declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(f"its Content-Length is {int(declared)} bytes", limit)
-    msg = await receive()
-    body = msg.get("body", b"")
-    if not msg.get("more_body"):
-        if len(body) > limit:
-            raise _too_large(f"it holds {len(body)} bytes", limit)
-        return bytes(body)
-    chunks, size = [body], len(body)
-    while msg.get("more_body"):
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ServeError("the client disconnected before its request was read", Status.CANCELLED)
-        chunks.append(msg.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            raise _too_large(f"{size} bytes of it were read", limit)
-    return b"".join(chunks)
-
-
-def _too_large(got: str, limit: int) -> TooLarge:
-    return TooLarge(f"the request body is too large: {got}; the limit is {limit} bytes (--max-request-bytes)")
-
-
-async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 # -- the JSON and binary request and response --------------------------------------------------------
@@ -345,9 +260,16 @@ def _json_data(name: str, arr: Any) -> Any:
     """An output's JSON `data`. NaN and infinities have no JSON number: they go out as the tokens
     NaN, Infinity and -Infinity, as Python's json (and so tritonclient) writes and reads them
     (orjson would write null, which reads back as no number at all)."""
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        return orjson.Fragment(json.dumps(arr.reshape(-1).tolist()))
+    if arr.dtype.kind == "f":
+        if arr.size <= _SMALL:  # a Python list: its sum says at C speed whether all are finite
+            flat = arr.reshape(-1).tolist()
+            return flat if math.isfinite(sum(flat)) else orjson.Fragment(json.dumps(flat))
+        if not np.isfinite(arr).all():
+            return orjson.Fragment(json.dumps(arr.reshape(-1).tolist()))
     return tensors.to_list(name, arr)
+
+
+_SMALL = 4096  # elements: below this a list is quicker than a numpy reduction and orjson's numpy path
 
 
 def _tolist(obj: Any) -> Any:

@@ -1,7 +1,7 @@
 """Both transports on one event loop (uvloop), and the process's life: start, signals, drain.
 
     main thread, one uvloop event loop
-      uvicorn (httptools) on the HTTP socket  --+
+      h1.Server (httptools) on the HTTP socket --+
       grpc.aio server on the gRPC port        --+--> Frontend --> Engine.infer_async (per model)
       SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
 
@@ -14,20 +14,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-import uvicorn
 
+from slabpool.engine.serve import h1
 from slabpool.engine.serve.core import Frontend
 from slabpool.engine.serve.grpc import GrpcService
-from slabpool.engine.serve.http import HttpApp
+from slabpool.engine.serve.http import HttpApp, refuse
 
 log = logging.getLogger("slabpool.engine.serve")
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -51,20 +50,11 @@ class Listen:
     max_request_bytes: int = MAX_REQUEST_BYTES
 
 
-class _Uvicorn(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """The server's own signal handlers stay: SIGTERM drains, SIGHUP reloads."""
-        yield
-
-
 async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -> bool:
     """Serve until SIGTERM/SIGINT, then drain; True when every accepted request was answered."""
     loop = asyncio.get_running_loop()
     sock = socket.create_server((listen.host, listen.http_port), backlog=2048)
-    app = HttpApp(fe, listen.max_request_bytes)
-    http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                   http="httptools", ws="none", timeout_graceful_shutdown=5))
+    http = h1.Server(HttpApp(fe), refuse, listen.max_request_bytes)
     rpc = grpc.aio.server(options=grpc_options(listen.max_request_bytes))
     rpc.add_generic_rpc_handlers((GrpcService(fe).handler(),))
     try:
@@ -73,9 +63,7 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         sock.close()
         raise OSError(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port}: {exc}") from None
     await rpc.start()
-    http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
-    while not http.started and not http_task.done():
-        await asyncio.sleep(0.01)
+    await http.start(sock)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -84,7 +72,7 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
     announce(f"slabpool serve: HTTP on http://{listen.host}:{http_port}, gRPC on {listen.host}:{grpc_port}; "
              f"models: {', '.join(fe.repo)}")
     try:
-        await asyncio.wait((asyncio.ensure_future(stop.wait()), http_task), return_when=asyncio.FIRST_COMPLETED)
+        await stop.wait()
         fe.draining = True
         log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
         drained = await fe.wait_idle(listen.drain_timeout)
@@ -94,9 +82,8 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        http.should_exit = True
         await rpc.stop(grace=1.0)
-        await http_task
+        await http.stop()
     return drained
 
 

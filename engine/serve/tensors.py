@@ -31,11 +31,16 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
 }  # fmt: skip
 _NAMES = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items()}
+_FMAX = {dt: float(np.finfo(dt).max) for dt in (np.dtype("<f2"), np.dtype("<f4"))}
+_NAME_OF = {dt: name for name, dt in DATATYPES.items()}  # native little-endian dtypes: the common case
 BYTES = "BYTES"
 
 
 def datatype_of(dtype: str | np.dtype[Any]) -> str:
     """The protocol's name for a numpy dtype (a TensorSpec's dtype string, an array's dtype)."""
+    known = _NAME_OF.get(dtype) if isinstance(dtype, np.dtype) else None
+    if known is not None:
+        return known
     dt = np.dtype(dtype)
     if dt.kind in "OSU":
         return BYTES
@@ -87,11 +92,16 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
                              f"got {len(items)} items")
         return items
     dt = _dtype(name, datatype)
-    flat = _flat(data)
-    _check_elements(name, datatype, dt, flat)
+    flat, kinds = _flat_types(data)
+    if not kinds <= _ELEMENT_TYPES[dt.kind]:
+        _check_elements(name, datatype, dt, flat)
+    fits = dt.kind != "f" or dt.itemsize == 8 or (flat and -_FMAX[dt] <= min(flat) and max(flat) <= _FMAX[dt])
     try:
-        with np.errstate(over="ignore"):  # a float past FP16/FP32's range: refused below, by element
+        if fits:  # (a NaN first makes min/max NaN: then the check below runs)
             arr = np.asarray(data, dtype=dt)
+        else:
+            with np.errstate(over="ignore"):  # a float past FP16/FP32's range: refused below, by element
+                arr = np.asarray(data, dtype=dt)
     except OverflowError as exc:
         raise BadRequest(f"input {name!r}: a value is out of range for {datatype}: {exc}") from None
     except (TypeError, ValueError) as exc:
@@ -101,14 +111,15 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
     if arr.ndim > 1 and arr.shape != shape:
         raise BadRequest(f"input {name!r}: nested data of shape {list(arr.shape)} for shape {list(shape)}; "
                          "send it flat (row-major) or nested as the shape")
-    if dt.kind == "f" and dt.itemsize < 8:
+    if not fits:
         _check_float_range(name, datatype, arr, flat)
     return arr.reshape(shape)
 
 
 # the Python types a JSON (or gRPC typed) element of each kind may have: no bool as a number,
 # no number as a bool, no string or null as anything
-_ELEMENT_TYPES: dict[str, tuple[type, ...]] = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float)}
+_ELEMENT_TYPES: dict[str, frozenset[type]] = {
+    "b": frozenset((bool,)), "i": frozenset((int,)), "u": frozenset((int,)), "f": frozenset((int, float))}
 
 
 def _check_elements(name: str, datatype: str, dt: np.dtype[Any], flat: list[Any]) -> None:
@@ -131,6 +142,17 @@ def _check_float_range(name: str, datatype: str, arr: np.ndarray[Any, Any], flat
         i = int(over[0])
         raise BadRequest(f"input {name!r}: element {i} ({flat[i]!r}) is out of range for {datatype} "
                          f"(largest {float(np.finfo(arr.dtype).max):g})")
+
+
+def _flat_types(data: Any) -> tuple[list[Any], set[type]]:
+    """The elements flat, and their Python types (one set, built at C speed: the check of a
+    flat list of numbers costs no Python loop)."""
+    if type(data) is list:
+        kinds = set(map(type, data))
+        if list not in kinds and tuple not in kinds:
+            return data, kinds
+    flat = _flat(data)
+    return flat, set(map(type, flat))
 
 
 def _flat(data: Any) -> list[Any]:
@@ -164,6 +186,8 @@ def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> 
 
 def as_output(name: str, value: Any) -> np.ndarray[Any, Any]:
     """An output value as a C-contiguous little-endian array (strings as an object array)."""
+    if type(value) is np.ndarray and value.dtype in _NAME_OF and value.flags.c_contiguous:
+        return value  # what the engine returns: nothing to do
     arr = np.asarray(value)
     if arr.dtype.kind in "OSU":
         return arr
