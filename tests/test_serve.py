@@ -550,3 +550,55 @@ def tritonclient_bytes(raw: bytes) -> list[bytes]:
     from tritonclient.utils import deserialize_bytes_tensor
 
     return list(deserialize_bytes_tensor(raw))
+
+
+# -- the repository extension over gRPC (Triton's RepositoryIndex / ModelLoad / ModelUnload) ---------------
+
+
+def _grpc_load(server, name: str, **params) -> None:
+    """RepositoryModelLoad with parameters tritonclient's load_model cannot send (path, an int),
+    through tritonclient's own stub and messages."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.RepositoryModelLoadRequest(model_name=name)
+    for k, v in params.items():
+        if isinstance(v, str):
+            req.parameters[k].string_param = v
+        else:
+            req.parameters[k].int64_param = v
+    import grpc
+
+    with grpc.insecure_channel(server.grpc_url) as ch:
+        service_pb2_grpc.GRPCInferenceServiceStub(ch).RepositoryModelLoad(req, timeout=60)
+
+
+def test_grpc_repository_index_and_refusals_through_tritonclient(server, models):
+    """Was: UNIMPLEMENTED for all three calls. The index lists every model (ready only, if
+    asked), as HTTP's does; unload is refused as on HTTP; a load that cannot be done is refused
+    by the status HTTP gives it, and the model keeps its version."""
+    import grpc
+
+    c = tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        index = c.get_model_repository_index(as_json=True)["models"]
+        http_index = httpx.post(f"{server.url}/v2/repository/index").json()
+        assert sorted((m["name"], m["version"], m["state"]) for m in index) == sorted(
+            (m["name"], m["version"], m["state"]) for m in http_index)
+        assert {m["state"] for m in c.get_model_repository_index(as_json=True)["models"]} == {"READY"}
+        before = c.get_model_metadata("ints", as_json=True)["versions"]
+        cases = [
+            (lambda: c.unload_model("ints"), "INVALID_ARGUMENT", "unload is not supported"),
+            (lambda: c.load_model("nope"), "NOT_FOUND", "unknown model 'nope'"),
+            (lambda: c.load_model("ints", config='{"backend": "onnx"}'), "INVALID_ARGUMENT", "['config']"),
+            (lambda: _grpc_load(server, "ints", path=5), "INVALID_ARGUMENT", "parameters.path must be a string"),
+            (lambda: _grpc_load(server, "ints", path=str(models.mlp)), "INVALID_ARGUMENT", "old model keeps serving"),
+        ]
+        for call, code, words in cases:
+            with pytest.raises((InferenceServerException, grpc.RpcError)) as err:
+                call()
+            e = err.value
+            got = (str(e.status()), e.message()) if isinstance(e, InferenceServerException) else (str(e.code()), e.details())
+            assert got[0].endswith(code) and words in got[1], got
+        assert c.get_model_metadata("ints", as_json=True)["versions"] == before and c.is_model_ready("ints")
+    finally:
+        c.close()

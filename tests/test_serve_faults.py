@@ -353,6 +353,21 @@ def test_reload_through_the_repository_extension_and_sighup(models, tmp_path):
         wait_for(lambda: "reloaded" in srv.stderr(), "the SIGHUP reload")
         assert h.get("/v2/models/mlp").json()["versions"] == [new]
         assert h.get("/v2/health/ready").status_code == 200
+        # gRPC (was: UNIMPLEMENTED): tritonclient.grpc's load_model reloads from the file, now v3,
+        # while gRPC requests flow: none fails, and the answers after it are v3's
+        onnx_models.mlp(v2, seed=2)
+        g = tgrpc.InferenceServerClient(srv.grpc_url)
+        with ThreadPoolExecutor(1) as pool:
+            stop = threading.Event()
+            during = pool.submit(_until, stop, lambda: grpc_infer(srv, x)[0])
+            g.load_model("mlp")
+            stop.set()
+            statuses = during.result()
+        assert statuses and set(statuses) == {"OK"}
+        v3 = g.get_model_metadata("mlp", as_json=True)["versions"]
+        assert v3 != [new] and v3 == h.get("/v2/models/mlp").json()["versions"]
+        assert grpc_infer(srv, x)[1].tobytes() == ort_run(v2, {"x": x})["probs"].tobytes()
+        g.close()
         h.close()
         assert srv.stop() == 0, srv.stderr()
     finally:

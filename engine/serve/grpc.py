@@ -20,9 +20,10 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
 from slabpool.engine.serve.errors import BadRequest, ServeError, Status
-from slabpool.engine.serve.proto import grpc_predict_v2_pb2
+from slabpool.engine.serve.proto import grpc_predict_v2_pb2, grpc_repository_pb2
 
 pb: Any = grpc_predict_v2_pb2  # protoc builds its classes at import: no names for mypy to see
+rp: Any = grpc_repository_pb2  # Triton's repository messages (the protocol's .proto has none)
 
 SERVICE = "inference.GRPCInferenceService"
 
@@ -50,6 +51,11 @@ class GrpcService:
             "ServerMetadata": unary(self.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse),
             "ModelMetadata": unary(self.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
             "ModelInfer": unary(self.model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
+            "RepositoryIndex": unary(self.repository_index, rp.RepositoryIndexRequest, rp.RepositoryIndexResponse),
+            "RepositoryModelLoad": unary(self.repository_model_load, rp.RepositoryModelLoadRequest,
+                                         rp.RepositoryModelLoadResponse),
+            "RepositoryModelUnload": unary(self.repository_model_unload, rp.RepositoryModelUnloadRequest,
+                                           rp.RepositoryModelUnloadResponse),
         })
 
     async def server_live(self, request: Any, context: Any) -> Any:
@@ -76,6 +82,29 @@ class GrpcService:
         return pb.ModelMetadataResponse(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[T(**t) for t in meta["inputs"]], outputs=[T(**t) for t in meta["outputs"]])
+
+    # -- the repository extension: the same calls as HTTP's v2/repository (core.Frontend) --------------
+
+    async def repository_index(self, request: Any, context: Any) -> Any:
+        Index = rp.RepositoryIndexResponse.ModelIndex
+        return rp.RepositoryIndexResponse(models=[Index(**m) for m in self.fe.repository_index(request.ready)])
+
+    async def repository_model_load(self, request: Any, context: Any) -> Any:
+        """A reload without downtime (slot by slot), as HTTP's load: from the model's file, or
+        from parameters["path"] (a string_param)."""
+        try:
+            params = {k: _param(v) for k, v in request.parameters.items()}
+            await self.fe.load(request.model_name, params)
+        except ServeError as exc:
+            await _abort(context, exc)
+        return rp.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(self, request: Any, context: Any) -> Any:
+        try:
+            self.fe.unload(request.model_name)
+        except ServeError as exc:
+            await _abort(context, exc)
+        raise AssertionError("unload() returned")
 
     async def model_infer(self, request: Any, context: Any) -> Any:
         started = time.perf_counter()
