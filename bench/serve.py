@@ -13,7 +13,10 @@ ProcessPoolExecutor, side by side in one run, on the same model and the same loa
                5 s; a server that closes the connection after an error answer counts here too),
                p99, and whether it still serves
     baseline   Engine.infer_async's own round trip at concurrency 1, in-process: the server's
-               p50 minus it is what the HTTP front end adds
+               p50 minus it is what the HTTP front end adds. Taken apart (another process, no
+               load) it flatters the engine on a small host; so the same is also measured
+               interleaved (bench/serve_overhead.py: one connection alternates a JSON request, a
+               binary one and an in-server infer_async probe), which is the figure to quote
 
 MLServer pins what the project cannot take (its own uvloop<0.22, fastapi, pydantic, ...), so it
 is never an extra: it is installed into a throwaway venv, by default
@@ -324,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the throwaway venv for MLServer and FastAPI")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--slabpool-args", default="", help="more flags for slabpool serve, e.g. '--max-batch-size 8'")
+    p.add_argument("--overhead-requests", type=int, default=2000,
+                   help="rounds of the interleaved c=1 overhead measure (bench.serve_overhead; 0: none)")
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench.serve needs wrk: apt-get install wrk", file=sys.stderr)
@@ -333,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="slabpool-bench-serve-") as d, workload(Path(d)) as (model, script, body, want):
         results["engine_p50_ms"] = engine_round_trip(model, args.workers)
         print(f"Engine.infer_async round trip, c=1: p50 {results['engine_p50_ms']:.3f} ms", flush=True)
+        if "slabpool" in args.only and args.overhead_requests:
+            from bench import serve_overhead
+
+            results["overhead"] = serve_overhead.measure([str(REPO)], args.overhead_requests, False)[0]
         for name in args.only:
             results["servers"][name] = measure(name, args, model, script, body, want, Path(d))
     _summary(results)
@@ -357,7 +366,12 @@ def _summary(results: dict[str, Any]) -> None:
                   f"| {c['load']['p99_ms']:.3f} | {c['serving_after']} |")
     if "slabpool" in servers and servers["slabpool"]["loads"][0]["concurrency"] == 1:
         added = servers["slabpool"]["loads"][0]["p50_ms"] - results["engine_p50_ms"]
-        print(f"\nslabpool serve p50 at c=1 minus Engine.infer_async's: {added * 1e3:.0f} us")
+        print(f"\nslabpool serve p50 at c=1 (wrk) minus Engine.infer_async's (another process, no load): "
+              f"{added * 1e3:.0f} us")
+    if o := results.get("overhead"):
+        print(f"interleaved, one connection, c=1 (bench.serve_overhead): JSON request - engine round trip "
+              f"{o['json - engine']:.0f} us, binary {o['binary - engine']:.0f} us, transport alone "
+              f"{o['probe - engine']:.0f} us (engine {o['median_us']['engine']:.0f} us)")
 
 
 if __name__ == "__main__":

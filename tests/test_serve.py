@@ -602,3 +602,64 @@ def test_grpc_repository_index_and_refusals_through_tritonclient(server, models)
         assert c.get_model_metadata("ints", as_json=True)["versions"] == before and c.is_model_ready("ints")
     finally:
         c.close()
+
+
+# -- HTTP/1.1 itself (engine/serve/h1.py) ------------------------------------------------------------------
+
+
+def _exchange(server, data: bytes, answers: int) -> list[tuple[bytes, bytes]]:
+    """Send raw bytes on one connection; read `answers` answers (status line + headers, body)."""
+    out, buf = [], b""
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:  # only a hang reaches it
+        s.sendall(data)
+        while len(out) < answers:
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                assert chunk, (out, buf)
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            if head.startswith(b"HTTP/1.1 100"):
+                out.append((head, b""))
+                continue
+            n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+            while len(buf) < n:
+                buf += s.recv(65536)
+            out.append((head, buf[:n]))
+            buf = buf[n:]
+    return out
+
+
+def _infer_bytes(rows: int, extra: str = "") -> bytes:
+    x = np.arange(rows * 16, dtype=np.float32).reshape(rows, 16) / 100
+    body = json.dumps({"inputs": [{"name": "x", "shape": [rows, 16], "datatype": "FP32",
+                                   "data": x.ravel().tolist()}], "id": f"r{rows}"}).encode()
+    return (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+            .encode() + body)
+
+
+@pytest.mark.parametrize("case", ["pipelined", "expect-100", "http/1.0", "query string", "head too large", "garbage"])
+def test_http11_connection_behaviours(server, case):
+    """The server's own HTTP/1.1 (was: uvicorn's): pipelined requests answered in order on one
+    connection; Expect: 100-continue answered before the body; HTTP/1.0 closes after its answer;
+    a query string is not part of the path; a head past 64 KiB is 431; bytes that are not HTTP 400."""
+    if case == "pipelined":
+        got = _exchange(server, b"".join(_infer_bytes(r) for r in (1, 2, 3)) + b"GET /v2/health/live HTTP/1.1\r\n\r\n", 4)
+        assert [json.loads(b)["id"] for _, b in got[:3]] == ["r1", "r2", "r3"]
+        assert [len(json.loads(b)["outputs"][0]["data"]) for _, b in got[:3]] == [8, 16, 24]
+        assert json.loads(got[3][1]) == {"live": True}
+    elif case == "expect-100":
+        got = _exchange(server, _infer_bytes(2, "Expect: 100-continue\r\n"), 2)
+        assert got[0][0].startswith(b"HTTP/1.1 100") and got[1][0].startswith(b"HTTP/1.1 200")
+    elif case == "http/1.0":
+        answer = _raw_http(server, b"GET /v2/health/ready HTTP/1.0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower()
+    elif case == "query string":
+        (head, body), = _exchange(server, b"GET /v2/models/mlp/ready?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"name": "mlp", "ready": True}
+    elif case == "head too large":
+        (head, body), = _exchange(server, b"GET /v2 HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 431") and "65536 bytes" in json.loads(body)["error"]
+    else:
+        (head, body), = _exchange(server, b"\x16\x03\x01 not http\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400") and "malformed HTTP request" in json.loads(body)["error"]
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200

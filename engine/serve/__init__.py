@@ -6,7 +6,8 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     client (tritonclient, curl, KServe)
       |  HTTP/REST: JSON or binary tensors            gRPC: inference.GRPCInferenceService
       v                                               v
-    http.py (ASGI on uvicorn)                       grpc.py (grpc.aio)
+    h1.py (HTTP/1.1: httptools, uvloop)             grpc.py (grpc.aio)
+    http.py (the routes)                              |  + Triton's repository calls
       |  decode once into numpy (tensors.py)          |  raw_input_contents -> np.frombuffer
       +--------------------> core.Frontend <----------+
                                |  health, metadata: models.py (stats(), describe())
@@ -15,9 +16,11 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
                              Engine: admission queue (503 when full), workers, crash replay
       <-- encode once: raw bytes / JSON data (tensors.py), errors as errors.py maps them
 
-    cli         `slabpool serve` arguments (argparse only)     server   both servers, signals, drain
-    core        the one inference path, health, accounting     models   engines, readiness, metadata, reload
-    http / grpc the two transports                             tensors  wire <-> numpy
+    cli         `slabpool serve` arguments (argparse only)     server   both servers, signals, drain, gc.freeze
+    core        the one inference path, health, repository,    models   engines, readiness, metadata, reload
+                accounting
+    h1          HTTP/1.1 connections (an asyncio Protocol)     tensors  wire <-> numpy
+    http / grpc the two transports' requests and answers
     errors      status codes of both transports                metrics  /metrics
-    proto/      the vendored .proto and protoc's message code (generate.py)
+    proto/      the vendored .proto files and protoc's message code (generate.py)
 """

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -64,6 +65,7 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         raise OSError(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port}: {exc}") from None
     await rpc.start()
     await http.start(sock)
+    _freeze_startup_heap()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -85,6 +87,15 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         await rpc.stop(grace=1.0)
         await http.stop()
     return drained
+
+
+def _freeze_startup_heap() -> None:
+    """Move what start-up made (modules, engines, protobuf descriptors: ~50,000 objects) out of
+    the collector's reach: a full collection then scans only what serving made since. Measured
+    at concurrency 8 (docs/serve.md): without it, one gen-2 collection took 92 ms on a loaded
+    2-core host and set the p99; requests allocate no cycles that these objects would hold."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _reload_all(fe: Frontend) -> None:
