@@ -637,11 +637,12 @@ def _infer_bytes(rows: int, extra: str = "") -> bytes:
             .encode() + body)
 
 
-@pytest.mark.parametrize("case", ["pipelined", "expect-100", "http/1.0", "query string", "head too large", "garbage"])
+@pytest.mark.parametrize("case", ["pipelined", "expect-100", "http/1.0", "HEAD", "query string", "head too large",
+                                  "garbage"])
 def test_http11_connection_behaviours(server, case):
     """The server's own HTTP/1.1 (was: uvicorn's): pipelined requests answered in order on one
     connection; Expect: 100-continue answered before the body; HTTP/1.0 closes after its answer;
-    a query string is not part of the path; a head past 64 KiB is 431; bytes that are not HTTP 400."""
+    HEAD answers headers without the body (the next answer on the connection is whole); a query string is not part of the path; a head past 64 KiB is 431; bytes that are not HTTP 400."""
     if case == "pipelined":
         got = _exchange(server, b"".join(_infer_bytes(r) for r in (1, 2, 3)) + b"GET /v2/health/live HTTP/1.1\r\n\r\n", 4)
         assert [json.loads(b)["id"] for _, b in got[:3]] == ["r1", "r2", "r3"]
@@ -653,6 +654,15 @@ def test_http11_connection_behaviours(server, case):
     elif case == "http/1.0":
         answer = _raw_http(server, b"GET /v2/health/ready HTTP/1.0\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower()
+    elif case == "HEAD":
+        with socket.create_connection((server.host, server.http_port), timeout=30) as s:
+            s.sendall(b"HEAD /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            buf = b""
+            while buf.count(b"HTTP/1.1 200") < 2 or not buf.endswith(b"}"):
+                buf += s.recv(65536)
+        first, second = buf.split(b"HTTP/1.1 200")[1:]
+        assert first.endswith(b"\r\n\r\n") and b"content-length: 13" in first.lower()
+        assert second.endswith(b'{"live":true}')
     elif case == "query string":
         (head, body), = _exchange(server, b"GET /v2/models/mlp/ready?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", 1)
         assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"name": "mlp", "ready": True}

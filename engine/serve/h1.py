@@ -62,7 +62,8 @@ Refuse = Callable[[int, str], Response]  # (status, message) -> the error answer
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
-def encode(resp: Response, keep_alive: bool) -> bytes:
+def encode(resp: Response, keep_alive: bool, head_only: bool = False) -> bytes:
+    """The status line, headers and body as one buffer (HEAD: the same headers, no body)."""
     head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
             % (resp.status, _REASONS.get(resp.status, b""), resp.content_type, len(resp.body))]
     for k, v in resp.headers:
@@ -70,7 +71,8 @@ def encode(resp: Response, keep_alive: bool) -> bytes:
     if not keep_alive:
         head.append(b"connection: close\r\n")
     head.append(b"\r\n")
-    head.append(resp.body)
+    if not head_only:
+        head.append(resp.body)
     return b"".join(head)
 
 
@@ -85,6 +87,7 @@ class Connection(asyncio.Protocol):
         self.running: asyncio.Task[Response] | None = None
         self.current: Request | None = None
         self.writable = True
+        self.paused = False  # reading, while more than MAX_PIPELINED requests wait
         self.idle_since = time.monotonic()
         self._reset()
 
@@ -170,7 +173,8 @@ class Connection(asyncio.Protocol):
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         req = Request(self.parser.get_method().decode("latin-1"), path, self.headers, body)
         self.pending.append((req, self.parser.should_keep_alive()))
-        if len(self.pending) > MAX_PIPELINED and self.transport is not None:
+        if len(self.pending) > MAX_PIPELINED and self.transport is not None and not self.paused:
+            self.paused = True
             self.transport.pause_reading()
         self._next()
 
@@ -181,7 +185,7 @@ class Connection(asyncio.Protocol):
             req, keep_alive = self.pending.popleft()
             out = req if isinstance(req, Response) else self.handler(req)  # a Response: a refusal queued
             if isinstance(out, Response):
-                self._write(out, keep_alive)
+                self._write(out, keep_alive, isinstance(req, Request) and req.method == "HEAD")
                 continue
             assert isinstance(req, Request)
             self.current = req
@@ -193,21 +197,23 @@ class Connection(asyncio.Protocol):
         if task.cancelled() or self.transport is None:
             return  # the client went away (or the server stops): nobody reads an answer
         exc = task.exception()
-        self._write(self.refuse(500, f"internal error: {exc!r}") if exc else task.result(), keep_alive)
+        resp = self.refuse(500, f"internal error: {exc!r}") if exc else task.result()
+        self._write(resp, keep_alive)
         self._next()
 
-    def _write(self, resp: Response, keep_alive: bool) -> None:
+    def _write(self, resp: Response, keep_alive: bool, head_only: bool = False) -> None:
         if self.transport is None:
             return
         keep = keep_alive and not resp.close
-        self.transport.write(encode(resp, keep))
+        self.transport.write(encode(resp, keep, head_only))
         self.idle_since = time.monotonic()
         if resp.after is not None:
             resp.after()
         if not keep:
             self.transport.close()
             self.transport = None
-        elif len(self.pending) <= MAX_PIPELINED:
+        elif self.paused and len(self.pending) <= MAX_PIPELINED:
+            self.paused = False
             self.transport.resume_reading()
 
     def _refuse(self, status: int, message: str) -> None:
