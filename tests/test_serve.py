@@ -417,6 +417,9 @@ REFUSED = [  # (datatype, data): a value that is not one of the datatype, or pas
     ("BOOL", [1, 0]), ("BOOL", ["true", False]), ("INT8", [300, 0]), ("UINT8", [-1, 0]), ("INT16", [1.0, 2]),
     ("UINT32", [True, 1]), ("INT64", [2**63, 0]), ("UINT64", [2**64, 0]), ("INT32", [None, 1]),
     ("FP16", [70000.0, 0]), ("FP32", [-1e39, 0]), ("FP32", [10**400, 0]), ("FP64", ["1", 0]), ("FP32", [[1], 2]),
+    # the fast checks (a set of element types; the range by min/max): a NaN first makes min/max NaN,
+    # a bool among floats is one more type in the set
+    ("FP32", [float("nan"), 1e39]), ("FP16", [float("nan"), -70000.0]), ("FP32", [1.5, True]),
 ]
 
 
@@ -427,6 +430,13 @@ def test_data_that_is_not_of_its_datatype_is_refused_not_cast(datatype, data):
 
     with pytest.raises(BadRequest, match=f"input 'x': .*{datatype}|input 'x': .*data"):
         tensors.from_list("x", datatype, (2,), data)
+
+
+def test_nan_and_infinity_given_are_kept_not_refused():
+    from slabpool.engine.serve import tensors
+
+    got = tensors.from_list("x", "FP32", (4,), [float("nan"), float("inf"), -float("inf"), 3.4e38])
+    assert np.isnan(got[0]) and list(got[1:3]) == [np.inf, -np.inf] and got[3] == np.float32(3.4e38)
 
 
 def test_grpc_typed_contents_out_of_range_are_refused():
@@ -493,22 +503,27 @@ def test_string_outputs_go_out_as_bytes_json_and_binary():
     assert tritonclient_bytes(body[n:]) == [b"a", "bé".encode(), b"", b"c"]
 
 
+@pytest.mark.parametrize("size", [4, 5000])  # a list up to 4096 elements, numpy's check past it
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_nan_and_infinities_go_out_as_json_tokens_python_reads(dtype):
+def test_nan_and_infinities_go_out_as_json_tokens_python_reads(dtype, size):
     """Was: null (orjson), which reads back as no number. NaN, Infinity, -Infinity: json.loads
     (and tritonclient.http) reads them back as the same values of the datatype."""
     from slabpool.engine.serve import tensors
     from slabpool.engine.serve.core import InferResponse, OutputTensor
     from slabpool.engine.serve.http import encode_response
 
-    arr = np.array([[np.nan, np.inf], [-np.inf, 0.1]], dtype=dtype)
+    arr = np.full((2, size // 2), 0.1, dtype=dtype)
+    arr[0, :2], arr[1, 0] = [np.nan, np.inf], -np.inf
+    big = np.full(size, np.finfo(dtype).max, dtype=dtype)  # finite; their sum is not
     datatype = tensors.datatype_of(arr.dtype)
-    body, n = encode_response(InferResponse("m", "v", "", [OutputTensor("f", datatype, [2, 2], arr, False),
-                                                          OutputTensor("g", datatype, [2], arr[1, 1:], False)]))
+    body, n = encode_response(InferResponse("m", "v", "", [OutputTensor("f", datatype, list(arr.shape), arr, False),
+                                                          OutputTensor("g", datatype, [1], arr[1, 1:2], False),
+                                                          OutputTensor("h", datatype, [size], big, False)]))
     assert n is None and b"null" not in body
     outs = json.loads(body)["outputs"]
-    assert np.asarray(outs[0]["data"], dtype).reshape(2, 2).tobytes() == arr.tobytes()
-    assert np.asarray(outs[1]["data"], dtype).tobytes() == arr[1, 1:].tobytes()
+    assert np.asarray(outs[0]["data"], dtype).reshape(arr.shape).tobytes() == arr.tobytes()
+    assert np.asarray(outs[1]["data"], dtype).tobytes() == arr[1, 1:2].tobytes()
+    assert np.asarray(outs[2]["data"], dtype).tobytes() == big.tobytes()
 
 
 def test_nan_outputs_read_back_through_tritonclient_json(server, models):
