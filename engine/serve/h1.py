@@ -183,7 +183,7 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         while self.pending and self.running is None and self.writable and self.transport is not None:
             req, keep_alive = self.pending.popleft()
-            out = req if isinstance(req, Response) else self.handler(req)  # a Response: a refusal queued
+            out = req if isinstance(req, Response) else self._call(req)  # a Response: a refusal queued
             if isinstance(out, Response):
                 self._write(out, keep_alive, isinstance(req, Request) and req.method == "HEAD")
                 continue
@@ -191,6 +191,12 @@ class Connection(asyncio.Protocol):
             self.current = req
             self.running = asyncio.ensure_future(out)
             self.running.add_done_callback(functools.partial(self._done, keep_alive=keep_alive))
+
+    def _call(self, req: Request) -> Response | Awaitable[Response]:
+        try:
+            return self.handler(req)
+        except Exception as exc:  # noqa: BLE001 - a bug in a route answers 500; the connection lives on
+            return self.refuse(500, f"internal error: {exc!r}")
 
     def _done(self, task: asyncio.Task[Response], keep_alive: bool) -> None:
         self.running = self.current = None
