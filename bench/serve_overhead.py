@@ -9,7 +9,7 @@ taken the moment before and after, on the same engine, under the same load:
 
     json - engine        what the server adds to a JSON request (client, TCP, HTTP, decode, encode)
     binary - engine      the same with the binary tensor extension
-    probe - engine       the transport alone: client, TCP, HTTP/1.1, one task, one write
+    probe - engine       the transport alone: client, TCP, HTTP/1.1, uvicorn's task, the ASGI send
 
 With --hops, the server stamps each hop of the inference requests (perf_counter_ns; patched in
 here, never in the server's code) and prints their medians. Several servers (--repo A --repo B:
@@ -35,14 +35,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 _HOPS = [  # (name, from stamp, to stamp)
     ("HTTP parse (bytes in -> request)", "recv", "parsed"),
-    ("to the handler's task", "parsed", "decode>"),
+    ("to the app's task, body received", "parsed", "decode>"),
     ("decode (JSON / binary -> numpy)", "decode>", "decode<"),
     ("front end to infer_async", "decode<", "eng>"),
     ("infer_async (the engine)", "eng>", "eng<"),
     ("select outputs, back to the handler", "eng<", "encode>"),
     ("encode", "encode>", "encode<"),
-    ("task done -> write", "encode<", "write>"),
-    ("write (one send syscall)", "write>", "write<"),
+    ("encode -> send", "encode<", "write>"),
+    ("send: the answer's start and body (uvicorn)", "write>", "write<"),
+    ("send -> accounting", "write<", "record>"),
+    ("accounting (metrics)", "record>", "record<"),
 ]
 
 
@@ -66,17 +68,16 @@ def serve(model: str, port_file: str, hops: bool) -> None:
     from slabpool.engine.serve import http
 
     class App(http.HttpApp):
-        def __call__(self, req: Any) -> Any:
-            if req.path == "/bench/engine":
-                return self._probe()
-            if req.path == "/bench/hops":
-                return http.Response(200, json.dumps(medians() if medians else {}).encode())
-            return super().__call__(req)
-
-        async def _probe(self) -> Any:
-            t0 = time.perf_counter_ns()
-            await eng.infer_async(x)
-            return http.Response(200, b"%d" % (time.perf_counter_ns() - t0))
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            path = scope.get("path")
+            if path == "/bench/engine":
+                t0 = time.perf_counter_ns()
+                await eng.infer_async(x)
+                await http._send(send, 200, b"%d" % (time.perf_counter_ns() - t0), b"text/plain")
+            elif path == "/bench/hops":
+                await http._send(send, 200, json.dumps(medians() if medians else {}).encode(), b"application/json")
+            else:
+                await super().__call__(scope, receive, send)
 
     server.HttpApp = App  # type: ignore[misc]
 
@@ -90,15 +91,19 @@ def serve(model: str, port_file: str, hops: bool) -> None:
 
 
 def _stamp(eng: Any) -> Any:
-    """Stamps around each hop of one request at a time (concurrency 1); their medians by kind."""
-    from slabpool.engine.serve import h1, http
+    """Stamps around each hop of one request at a time (concurrency 1); their medians by kind.
+    The HTTP hops are uvicorn's (httptools_impl): bytes in, the request complete, the app's
+    send of the answer's start and of its body."""
+    from uvicorn.protocols.http import httptools_impl as uv
+
+    from slabpool.engine.serve import core, http
 
     pc = time.perf_counter_ns
     st: dict[str, Any] = {}
     got: dict[str, dict[str, list[int]]] = {}
 
     def keep() -> None:
-        if "write<" in st and "decode>" in st:
+        if "record<" in st and "decode>" in st:
             for name, a, b in _HOPS:
                 got.setdefault(st["kind"], {}).setdefault(name, []).append(st[b] - st[a])
             got[st["kind"]].setdefault("total, bytes in -> written", []).append(st["write<"] - st["recv"])
@@ -117,7 +122,8 @@ def _stamp(eng: Any) -> Any:
 
         setattr(owner, name, g)
 
-    recv, complete = h1.Connection.data_received, h1.Connection.on_message_complete
+    recv, complete = uv.HttpToolsProtocol.data_received, uv.HttpToolsProtocol.on_message_complete
+    send = uv.RequestResponseCycle.send
 
     def data_received(self: Any, data: bytes) -> None:
         keep()
@@ -129,11 +135,20 @@ def _stamp(eng: Any) -> Any:
         st["parsed"] = pc()
         complete(self)
 
-    h1.Connection.data_received = data_received  # type: ignore[method-assign]
-    h1.Connection.on_message_complete = on_message_complete  # type: ignore[method-assign]
-    around(h1.Connection, "_write", "write")
+    async def send_stamped(self: Any, message: Any) -> None:
+        start = message["type"] == "http.response.start"
+        if start:
+            st["write>"] = pc()
+        await send(self, message)
+        if not start:
+            st["write<"] = pc()
+
+    uv.HttpToolsProtocol.data_received = data_received  # type: ignore[method-assign]
+    uv.HttpToolsProtocol.on_message_complete = on_message_complete  # type: ignore[method-assign]
+    uv.RequestResponseCycle.send = send_stamped  # type: ignore[method-assign]
     around(http, "decode_request", "decode", lambda *a: st.update(kind="json" if a[3] is None else "binary"))
     around(http, "encode_response", "encode")
+    around(core.Frontend, "record", "record")
     infer = type(eng).infer_async
 
     async def infer_async(self: Any, *a: Any, **k: Any) -> Any:

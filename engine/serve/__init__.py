@@ -6,8 +6,8 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     client (tritonclient, curl, KServe)
       |  HTTP/REST: JSON or binary tensors            gRPC: inference.GRPCInferenceService
       v                                               v
-    h1.py (HTTP/1.1: httptools, uvloop)             grpc.py (grpc.aio)
-    http.py (the routes)                              |  + Triton's repository calls
+    http.py (ASGI on uvicorn: httptools, uvloop)    grpc.py (grpc.aio)
+      |                                               |  + Triton's repository calls
       |  decode once into numpy (tensors.py)          |  raw_input_contents -> np.frombuffer
       +--------------------> core.Frontend <----------+
                                |  health, metadata: models.py (stats(), describe())
@@ -19,8 +19,7 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     cli         `slabpool serve` arguments (argparse only)     server   both servers, signals, drain, gc.freeze
     core        the one inference path, health, repository,    models   engines, readiness, metadata, reload
                 accounting
-    h1          HTTP/1.1 connections (an asyncio Protocol)     tensors  wire <-> numpy
-    http / grpc the two transports' requests and answers
+    http / grpc the two transports                             tensors  wire <-> numpy
     errors      status codes of both transports                metrics  /metrics
     proto/      the vendored .proto files and protoc's message code (generate.py)
 """

@@ -1,4 +1,4 @@
-"""The protocol over HTTP/REST: the routes, on the server's own HTTP/1.1 (h1.py, httptools, uvloop).
+"""The protocol over HTTP/REST: a plain ASGI app, served by uvicorn with httptools and uvloop.
 
     GET  v2/health/live | v2/health/ready              200 {"live"|"ready": true}; 503 when not ready
     GET  v2                                            server metadata
@@ -9,19 +9,24 @@
     GET  metrics                                       Prometheus text
 
 No framework routes it: the paths are few and fixed, and a router's per-request matching
-costs more than this whole dispatch (the choice is measured in docs/serve.md). Every route
-but inference and reload answers at once, without a task; an inference is one task, which
-h1.py cancels when its client disconnects (queued: it never runs). A body past
---max-request-bytes is refused (413) by h1.py before it is buffered whole.
+costs more than this whole dispatch (the choice is measured in docs/serve.md). uvicorn owns
+HTTP/1.1 itself (keep-alive, pipelining, 100-continue, HEAD, chunked bodies, flow control,
+timeouts). Health and metadata answer without reading a body. While an inference waits, the
+connection is watched: a client that disconnects cancels its request (queued: it never runs).
+A body past --max-request-bytes is refused (413) by its Content-Length before it is read, or as
+soon as a chunked body passes the limit: never buffered whole. A route that raises answers 500
+with the protocol's error object and the connection lives on (uvicorn's own 500 closes it).
+Accounting runs once the answer is handed to uvicorn, off the request's latency.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
+import logging
 import math
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -29,106 +34,142 @@ import orjson
 
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
-from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status
-from slabpool.engine.serve.h1 import Request, Response
+from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status, TooLarge
 from slabpool.engine.serve.metrics import CONTENT_TYPE
 
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+log = logging.getLogger("slabpool.engine.serve")
 HEADER_LENGTH = b"inference-header-content-length"
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
+_JSON = b"application/json"
 _BINARY = b"application/octet-stream"
 _METRICS = CONTENT_TYPE.encode()
 
 
-def refuse(status: int, message: str) -> Response:
-    """The protocol's error object."""
-    return Response(status, orjson.dumps({"error": message}))
-
-
-def _error(exc: ServeError) -> Response:
-    return refuse(exc.status.http, str(exc))
-
-
 class HttpApp:
-    """h1.py's handler: a request -> its Response, or a coroutine that makes one."""
-
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, max_request_bytes: int) -> None:
         self.fe = frontend
+        self.max_request_bytes = max_request_bytes
 
-    def __call__(self, req: Request) -> Response | Awaitable[Response]:
-        parts = req.path.strip("/").split("/")
-        if req.method == "POST" and len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" \
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan: nothing to start, the engines are up already
+            if scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
+        parts = scope["path"].strip("/").split("/")
+        method = scope["method"]
+        if method == "POST" and len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" \
                 and parts[-1] == "infer":
-            return self._infer(req, parts)
+            await self._infer(scope, receive, send, parts)
+            return
+        ctype = _JSON
         try:
-            return self._route(req, parts)
+            if method == "POST" and parts[:2] == ["v2", "repository"]:
+                status, body = await self._repository(parts[2:], await _body(scope, receive, self.max_request_bytes))
+            else:
+                status, body, ctype = self._route(method, parts)
         except ServeError as exc:
-            return _error(exc)
+            status, body = exc.status, {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - a bug in a route answers 500; the connection lives on
+            status, body = _internal(exc)
+        if status is Status.CANCELLED:
+            return
+        await _send(send, status.http, body if isinstance(body, bytes) else orjson.dumps(body), ctype)
 
-    def _route(self, req: Request, parts: list[str]) -> Response | Awaitable[Response]:
-        fe, method = self.fe, req.method
+    def _route(self, method: str, parts: list[str]) -> tuple[Status, Any, bytes]:
+        """Every route but inference and the repository: answered from memory, no body read."""
+        fe = self.fe
         if parts == ["metrics"] and method == "GET":
-            return Response(200, fe.metrics.render(), _METRICS)
+            return Status.OK, fe.metrics.render(), _METRICS
         if parts == ["v2", "health", "live"]:
-            return _json_response(Status.OK, {"live": True})
+            return Status.OK, b'{"live":true}', _JSON
         if parts == ["v2", "health", "ready"]:
             ready = fe.ready()
-            return _json_response(Status.OK if ready else Status.UNAVAILABLE, {"ready": ready})
+            return (Status.OK, b'{"ready":true}', _JSON) if ready else (Status.UNAVAILABLE, {"ready": False}, _JSON)
         if parts == ["v2"]:
-            return _json_response(Status.OK, fe.server_metadata())
+            return Status.OK, fe.server_metadata(), _JSON
         if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
             name, version, rest = _model_path(parts)
             if rest == []:
-                return _json_response(Status.OK, fe.model_metadata(name, version))
+                return Status.OK, fe.model_metadata(name, version), _JSON
             if rest == ["ready"]:
                 ready = fe.model_ready(name, version)
-                return _json_response(Status.OK if ready else Status.UNAVAILABLE, {"name": name, "ready": ready})
-        if method == "POST" and parts[:2] == ["v2", "repository"]:
-            return self._repository(parts[2:], req.body)
+                return (Status.OK if ready else Status.UNAVAILABLE), {"name": name, "ready": ready}, _JSON
         raise NotFound(f"no route {method} /{'/'.join(parts)}")
 
-    def _repository(self, parts: list[str], body: bytes) -> Response | Awaitable[Response]:
+    async def _repository(self, parts: list[str], body: bytes) -> tuple[Status, Any]:
         fe = self.fe
         head = _json(body) if body else {}
         if parts == ["index"]:
-            return _json_response(Status.OK, fe.repository_index(_flag(head, "ready", "the index request")))
+            return Status.OK, fe.repository_index(_flag(head, "ready", "the index request"))
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "load":
-            return self._load(parts[1], _params(head.get("parameters"), "the load request"))
+            version = await fe.load(parts[1], _params(head.get("parameters"), "the load request"))
+            return Status.OK, {"name": parts[1], "version": version}
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "unload":
             fe.unload(parts[1])
         raise NotFound(f"no route POST /v2/repository/{'/'.join(parts)}")
 
-    async def _load(self, name: str, params: dict[str, Any]) -> Response:
-        try:
-            version = await self.fe.load(name, params)
-        except ServeError as exc:
-            return _error(exc)
-        return _json_response(Status.OK, {"name": name, "version": version})
-
     # -- inference ------------------------------------------------------------------------------
 
-    async def _infer(self, r: Request, parts: list[str]) -> Response:
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, parts: list[str]) -> None:
+        started = time.perf_counter()
         name, version, _ = _model_path(parts[:-1])
         fe, request_id = self.fe, ""
         try:
-            req = decode_request(name, version, r.body, r.headers.get(HEADER_LENGTH))
+            fe.repo[name].check_version(version)  # 404 before the body is read
+            body = await _body(scope, receive, self.max_request_bytes)
+            req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
             request_id = req.id
-            payload, header_len = encode_response(await fe.infer(req))
+            resp = await _watching(receive, fe.infer(req))
+            payload, header_len = encode_response(resp)
         except ServeError as exc:
-            resp = _error(exc)
-            resp.after = functools.partial(fe.record, name, "http", exc.status, r.started, request_id)
-            return resp
-        except asyncio.CancelledError:
-            if r.gone:  # the client disconnected: its request was cancelled, nobody reads an answer
-                fe.record(name, "http", Status.CANCELLED, r.started, request_id)
-            raise
-        after = functools.partial(fe.record, name, "http", Status.OK, r.started, request_id)
+            if exc.status is not Status.CANCELLED:
+                await _send(send, exc.status.http, orjson.dumps({"error": str(exc)}), _JSON)
+            fe.record(name, "http", exc.status, started, request_id)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500; the connection lives on
+            status, err = _internal(exc)
+            await _send(send, status.http, orjson.dumps(err), _JSON)
+            fe.record(name, "http", status, started, request_id)
+            return
         if header_len is None:
-            return Response(200, payload, after=after)
-        return Response(200, payload, _BINARY, [(HEADER_LENGTH, b"%d" % header_len)], after=after)
+            await _send(send, 200, payload, _JSON)
+        else:
+            await _send(send, 200, payload, _BINARY, (HEADER_LENGTH, b"%d" % header_len))
+        fe.record(name, "http", Status.OK, started, request_id)
 
 
-def _json_response(status: Status, body: Any) -> Response:
-    return Response(status.http, orjson.dumps(body))
+def _internal(exc: Exception) -> tuple[Status, dict[str, str]]:
+    log.error("slabpool serve: a route raised; answered 500", exc_info=exc)
+    return Status.INTERNAL, {"error": f"internal error: {exc!r}"}
+
+
+async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
+    """Await `work` in this task while a watcher reads the connection: a disconnect of the
+    client cancels this task, and so the request's engine task (queued: it never runs)."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        if (await receive())["type"] == "http.disconnect":  # the body is read: only this can come
+            gone = True
+            me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        me.uncancel()
+        raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED) from None
+    finally:
+        watcher.cancel()
 
 
 def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
@@ -137,6 +178,57 @@ def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
     if len(rest) >= 2 and rest[0] == "versions":
         return name, rest[1], rest[2:]
     return name, "", rest
+
+
+def _header(scope: Scope, key: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == key:
+            return bytes(v)
+    return None
+
+
+async def _body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, refused (413) past the limit: by its Content-Length before a byte is
+    read, and while it streams, since a chunked body has no length up front."""
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"its Content-Length is {int(declared)} bytes", limit)
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body"):
+        if len(body) > limit:
+            raise _too_large(f"it holds {len(body)} bytes", limit)
+        return bytes(body)
+    chunks, size = [body], len(body)
+    while msg.get("more_body"):
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ServeError("the client disconnected before its request was read", Status.CANCELLED)
+        chunks.append(msg.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise _too_large(f"{size} bytes of it were read", limit)
+    return b"".join(chunks)
+
+
+def _too_large(got: str, limit: int) -> TooLarge:
+    return TooLarge(f"the request body is too large: {got}; the limit is {limit} bytes (--max-request-bytes)")
+
+
+async def _send(send: Send, status: int, body: bytes, ctype: bytes, *extra: tuple[bytes, bytes]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", b"%d" % len(body)), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 # -- the JSON and binary request and response --------------------------------------------------------

@@ -1,7 +1,7 @@
 """Both transports on one event loop (uvloop), and the process's life: start, signals, drain.
 
     main thread, one uvloop event loop
-      h1.Server (httptools) on the HTTP socket --+
+      uvicorn (httptools) on the HTTP socket  --+
       grpc.aio server on the gRPC port        --+--> Frontend --> Engine.infer_async (per model)
       SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
 
@@ -14,20 +14,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import uvicorn
 
-from slabpool.engine.serve import h1
 from slabpool.engine.serve.core import Frontend
 from slabpool.engine.serve.grpc import GrpcService
-from slabpool.engine.serve.http import HttpApp, refuse
+from slabpool.engine.serve.http import HttpApp
 
 log = logging.getLogger("slabpool.engine.serve")
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -51,11 +52,25 @@ class Listen:
     max_request_bytes: int = MAX_REQUEST_BYTES
 
 
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """The server's own signal handlers stay: SIGTERM drains, SIGHUP reloads."""
+        yield
+
+
+def http_server(app: HttpApp) -> uvicorn.Server:
+    """uvicorn as serve runs it: httptools' parser (the event loop is the caller's: uvloop), no
+    lifespan, no websockets, no access log of its own (--access-log is the server's)."""
+    return _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                   http="httptools", ws="none", timeout_graceful_shutdown=5))
+
+
 async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -> bool:
     """Serve until SIGTERM/SIGINT, then drain; True when every accepted request was answered."""
     loop = asyncio.get_running_loop()
     sock = socket.create_server((listen.host, listen.http_port), backlog=2048)
-    http = h1.Server(HttpApp(fe), refuse, listen.max_request_bytes)
+    http = http_server(HttpApp(fe, listen.max_request_bytes))
     rpc = grpc.aio.server(options=grpc_options(listen.max_request_bytes))
     rpc.add_generic_rpc_handlers((GrpcService(fe).handler(),))
     try:
@@ -64,7 +79,9 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         sock.close()
         raise OSError(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port}: {exc}") from None
     await rpc.start()
-    await http.start(sock)
+    http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
     _freeze_startup_heap()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,7 +91,7 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
     announce(f"slabpool serve: HTTP on http://{listen.host}:{http_port}, gRPC on {listen.host}:{grpc_port}; "
              f"models: {', '.join(fe.repo)}")
     try:
-        await stop.wait()
+        await asyncio.wait((asyncio.ensure_future(stop.wait()), http_task), return_when=asyncio.FIRST_COMPLETED)
         fe.draining = True
         log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
         drained = await fe.wait_idle(listen.drain_timeout)
@@ -84,8 +101,9 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        http.should_exit = True
         await rpc.stop(grace=1.0)
-        await http.stop()
+        await http_task
     return drained
 
 
