@@ -73,9 +73,9 @@ def serve(model: str, port_file: str, hops: bool) -> None:
             if path == "/bench/engine":
                 t0 = time.perf_counter_ns()
                 await eng.infer_async(x)
-                await http._send(send, 200, b"%d" % (time.perf_counter_ns() - t0), b"text/plain")
+                await _answer(send, b"%d" % (time.perf_counter_ns() - t0))
             elif path == "/bench/hops":
-                await http._send(send, 200, json.dumps(medians() if medians else {}).encode(), b"application/json")
+                await _answer(send, json.dumps(medians() if medians else {}).encode())
             else:
                 await super().__call__(scope, receive, send)
 
@@ -88,6 +88,11 @@ def serve(model: str, port_file: str, hops: bool) -> None:
         uvloop.run(server.serve(fe, server.Listen(http_port=0, grpc_port=0), announce))
     finally:
         fe.repo.close(timeout=5)
+
+
+async def _answer(send: Any, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _stamp(eng: Any) -> Any:
@@ -180,7 +185,10 @@ def _roundtrip(sock: socket.socket, req: bytes) -> tuple[bytes, bytes]:
     sock.sendall(req)
     buf = b""
     while True:
-        buf += sock.recv(65536)
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection; it answered {buf[:300]!r}")
+        buf += chunk
         i = buf.find(b"\r\n\r\n")
         if i >= 0:
             head = buf[:i].lower()
@@ -206,7 +214,8 @@ def measure(repos: list[str], n: int, hops: bool) -> list[dict[str, Any]]:
                     if procs[-1].poll() is not None:
                         raise RuntimeError(f"the server of {repo} did not start")
                     time.sleep(0.1)
-                s = socket.create_connection(("127.0.0.1", int(pf.read_text())))
+            for i in range(len(repos)):  # once all are up: an idle keep-alive connection is closed after 5 s
+                s = socket.create_connection(("127.0.0.1", int((Path(d) / f"port{i}").read_text())))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 socks.append(s)
             return _alternate(socks, n, hops)

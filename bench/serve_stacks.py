@@ -2,10 +2,10 @@
 `slabpool serve` (docs/serve.md). Each candidate serves the same POST (read the body, answer a
 fixed JSON) with no model behind it, under the same wrk load, twice in alternation:
 
-    raw-httptools   a plain ASGI app on uvicorn, httptools parser, uvloop    (what serve used before)
+    raw-httptools   a plain ASGI app on uvicorn, httptools parser, uvloop    (what serve uses)
     raw-h11         the same app on uvicorn's pure-Python h11 parser, asyncio loop
     starlette       a Starlette Route (Request.body(), Response) on uvicorn, httptools, uvloop
-    protocol        an asyncio Protocol on httptools' parser, uvloop, no ASGI  (what serve uses)
+    protocol        an asyncio Protocol on httptools' parser, uvloop, no ASGI  (the servefast branch's h1.py: not kept)
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ No framework routes it: the paths are few and fixed, and a router's per-request 
 costs more than this whole dispatch (the choice is measured in docs/serve.md). uvicorn owns
 HTTP/1.1 itself (keep-alive, pipelining, 100-continue, HEAD, chunked bodies, flow control,
 timeouts). Health and metadata answer without reading a body. While an inference waits, the
-connection is watched: a client that disconnects cancels its request (queued: it never runs).
+connection is watched (once it has waited 5 ms): a client that disconnects cancels its
+request (queued: it never runs).
 A body past --max-request-bytes is refused (413) by its Content-Length before it is read, or as
 soon as a chunked body passes the limit: never buffered whole. A route that raises answers 500
 with the protocol's error object and the connection lives on (uvicorn's own 500 closes it).
@@ -147,12 +148,18 @@ def _internal(exc: Exception) -> tuple[Status, dict[str, str]]:
     return Status.INTERNAL, {"error": f"internal error: {exc!r}"}
 
 
+WATCH_AFTER_S = 0.005  # an inference answered sooner is never watched (a watcher is a task: ~20 us)
+
+
 async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
-    """Await `work` in this task while a watcher reads the connection: a disconnect of the
-    client cancels this task, and so the request's engine task (queued: it never runs)."""
+    """Await `work` in this task; once it has waited WATCH_AFTER_S, a watcher reads the
+    connection: a disconnect of the client cancels this task, and so the request's engine task
+    (queued: it never runs). The watcher needs a task of its own (uvicorn's receive is a
+    coroutine), so it starts only for a request that waits: most at low load are answered first."""
     me = asyncio.current_task()
     assert me is not None
     gone = False
+    watcher: asyncio.Future[None] | None = None
 
     async def watch() -> None:
         nonlocal gone
@@ -160,7 +167,11 @@ async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferRe
             gone = True
             me.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    def start() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(watch())
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
     try:
         return await work
     except asyncio.CancelledError:
@@ -169,7 +180,9 @@ async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferRe
         me.uncancel()
         raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED) from None
     finally:
-        watcher.cancel()
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
