@@ -24,6 +24,7 @@ every output it gets back against the buffer it bound, and copies those into pla
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,9 @@ import numpy as np
 
 from slabpool.shm.mapping import Mapping
 from slabpool.workers import packing
-from slabpool.workers.protocol import ArrayRef, Packed, TaskSpec, flat_skeleton
+from slabpool.workers.protocol import ArrayRef, FlatSkeleton, Packed, TaskSpec, flat_skeleton
 
-Signature = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) per array
+Signature = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]  # (name, dtype, shape) per array
 MAX_SIGNATURES = 256
 
 
@@ -46,44 +47,65 @@ class Placed:
     packed: Packed  # the same, as the Outcome reports them
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The outputs that inputs of one signature give, laid out once (relative offsets): a
+    plan of them only adds the region's base."""
+
+    outputs: Signature
+    offsets: tuple[int, ...]
+    size: int  # bytes in the region, 64-byte aligned (packing.layout)
+    skeleton: FlatSkeleton
+
+
 def signature(arrays: dict[str, np.ndarray]) -> Signature:
-    return tuple((name, a.dtype.str, a.shape) for name, a in arrays.items())
+    return tuple([(name, a.dtype, a.shape) for name, a in arrays.items()])
+
+
+def layout_of(outputs: Signature) -> Layout:
+    offsets, size = packing.layout_sizes([dt.itemsize * math.prod(shape) for _, dt, shape in outputs])
+    return Layout(outputs, tuple(offsets), size, flat_skeleton(tuple(n for n, _, _ in outputs)))
 
 
 class OutputPlanner:
     def __init__(self, outputs: Mapping, min_bytes: int = 0) -> None:
         self._outputs = outputs
         self._min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
-        self._shapes: dict[Signature, Signature | None] = {}  # None: output shapes vary
+        self._layouts: dict[Signature, Layout | None] = {}  # None: output shapes vary
 
     def plan(self, region: tuple[int, int], tasks: list[TaskSpec], feeds: dict[int, Any]) -> dict[int, Placed] | None:
         """A place for every task's outputs inside `region` (offset, bytes), in task order; None
-        unless every task's output shapes are known and all of them fit."""
+        unless every task's output shapes are known and all of them fit. Nothing is made (no
+        view of the arena) before every task is known to be placed."""
         start, nbytes = region
         if start < 0:
             return None
-        plan, cursor = {}, start
+        keys, layouts, cursor = [], [], start
         for t in tasks:
             key = signature(feeds[t.task_id])
-            outs = self._shapes.get(key)
-            if outs is None:
+            lay = self._layouts.get(key)
+            if lay is None or lay.size < self._min_bytes or cursor + lay.size > start + nbytes:
                 return None
-            dtypes = [np.dtype(dt) for _, dt, _ in outs]
-            offsets, size = packing.layout_sizes(
-                [dt.itemsize * int(np.prod(shape)) for dt, (_, _, shape) in zip(dtypes, outs, strict=True)])
-            if size < self._min_bytes or cursor + size > start + nbytes:
-                return None
+            keys.append(key)
+            layouts.append(lay)
+            cursor += lay.size
+        plan, cursor = {}, start
+        for t, key, lay in zip(tasks, keys, layouts, strict=True):
             dests = {name: self._outputs.array(cursor + off, dt, shape)
-                     for (name, _, shape), dt, off in zip(outs, dtypes, offsets, strict=True)}
-            refs = tuple(ArrayRef(cursor + off, dt, shape) for (_, dt, shape), off in zip(outs, offsets, strict=True))
-            plan[t.task_id] = Placed(key, dests, Packed(flat_skeleton(tuple(n for n, _, _ in outs)), refs))
-            cursor += size
+                     for (name, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True)}
+            refs = tuple(ArrayRef(cursor + off, dt.str, shape)
+                         for (_, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True))
+            plan[t.task_id] = Placed(key, dests, Packed(lay.skeleton, refs))
+            cursor += lay.size
         return plan
 
     def learn(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
-        if len(self._shapes) >= MAX_SIGNATURES:
-            self._shapes.clear()  # many distinct shapes (a dynamic axis): start over
-        self._shapes.setdefault(signature(feeds), signature(outputs))
+        key = signature(feeds)
+        if key in self._layouts:
+            return  # known (or known to vary: forget's word stays)
+        if len(self._layouts) >= MAX_SIGNATURES:
+            self._layouts.clear()  # many distinct shapes (a dynamic axis): start over
+        self._layouts[key] = layout_of(signature(outputs))
 
     def forget(self, key: Signature) -> None:
-        self._shapes[key] = None
+        self._layouts[key] = None
