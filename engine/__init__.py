@@ -1,11 +1,12 @@
 """slabpool.engine: policy in the caller's process; model inference on every core, one session per worker process.
 
     |============== caller process ===============|====== worker process, slot k ======|
-     Engine.submit()       supervisor thread          pipe k        workers.main
+     Engine.submit()       owner thread               pipe k        workers.main
      1 validate inputs =>  3 choose a slot with   =>  RunBatch  =>  5 view input lease
      2 lease input arena,    room, idle first                       6 preprocess, check,
        copy inputs in      4 mark task RUNNING                        session.run,
                        <=  8 copy outputs out     <=  BatchDone <=    postprocess
+                             (the transport: Done)
        Future <==========  9 release leases,                        7 write outputs into
                              complete Future once                     the output region
                                                                       (ORT: written there by
@@ -19,7 +20,8 @@
      rows each (TaskSpec.step), its outputs one region; a map() chunk is one task of many items.
 
      crash path: the sentinel of slot k fires (exit code 0 with tasks in hand included)
-       a  slot k -> DEAD; the process is reaped before any lease it held is reused
+       a  the transport reaps the process before any lease it held is reused, and says
+          Died (exit code, the task in hand); slot k -> DEAD
        b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready; it loads
           the model version pinned at start (workers.weights), whatever the file is now
        c  its tasks replay in acceptance order, attempt + 1 (a stacked batch keeps its
@@ -28,7 +30,7 @@
           shared memory (or a whole stacked batch, bisected if it kills again); a task
           charged max_attempts times ends as PoisonTask; nothing else fails
 
-     containment (docs/faults.md): one task's data never stops the supervisor
+     containment (docs/faults.md): one task's data never stops the owner
        - a context, and a preprocess's inputs, are pickled alone at step 2 (TypeError there);
          results made by user code are pickled alone at 7 and opened alone at 8: a task whose
          data does not cross fails alone (TaskDataError)
@@ -41,25 +43,29 @@
          (Revoke) and runs elsewhere, on copies of its inputs
 
 Where the code is (imports point one way: core <- caller <- local, ray; job on local):
-- `engine.core`: the owner core both backends share. `owner.OwnerThread` is the one thread that
-  changes slots and running tasks (callers hand it callables: `call(fn, *args)`);
-  `ledger.TaskLedger` ends each task once (step 9: counters, histograms, Futures completed
-  after the step); `admission.TaskQueue` bounds what is accepted and not yet running; pure
-  policy: `dispatch` (steps 3-4: group and batch limits), `recovery` (step d: who is charged);
-  `reload.ReloadPlan` is a hot model swap, slot by slot, that each backend carries out.
+- `engine.core`: the owner both backends share, `coordinator.Coordinator`, a coordinator of
+  parts it holds: `owner.OwnerThread` (the one thread that changes slots and running tasks;
+  callers hand it callables: `call(fn, *args)`), `ledger.TaskLedger` (ends each task once,
+  step 9: counters, histograms, Futures completed after the step), `dispatcher.Dispatcher`
+  (steps 3-4, and 8-9 on a Done), `watchdog.Watchdog` (task_timeout, stall, start-up bound,
+  back-off), `slots.SlotRecord` (a slot's state: one (state, event) table in `states`), and a
+  `transport.SlotTransport` (the backend: start, send, revoke, kill; it reports Ready, Done,
+  Died as values). The crash path a-d is `Coordinator._on_died`; `stopping` is the stop path
+  (no step stops the others; every Future ends). `admission.TaskQueue` bounds what is accepted
+  and not yet running; pure policy: `dispatch` (steps 3-4: group and batch limits),
+  `recovery` (step d: who is charged); `reload.ReloadPlan` is a hot model swap, slot by slot.
 - `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
   outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
   contiguous blocks, a session call each, several to a task, cut down to rows when a task
   fails (`blocks`).
-- `engine.local`: `pool.Engine` and its `supervisor.Supervisor` (the owner thread: steps 3-4,
-  8-9 and the crash path a-d), built on `dispatcher.Dispatcher` (steps 3-4, 9's leases) and
-  `processes.SlotProcesses` (spawn, one selector over every pipe, sentinel and a wake-up pipe,
-  rebuild, retire); `regions` sizes output regions (7), `watchdog` times out and revokes,
-  `slot.Slot` is one worker process and its pipe (the supervisor never blocks writing it: what
-  the pipe does not take waits in the slot's outbox until the selector says writable),
-  `stopping` is the stop path (no step stops the others; every Future ends), `forks` keeps a
-  forked child off the parent's workers, `reload` swaps the model slot by slot.
+- `engine.local`: `pool.Engine` (steps 1-2; `staged.Staged` is a task's inputs in the input
+  arena) and its `supervisor` (the core's owner on `transport.LocalTransport`: spawn, reap,
+  pipes, output regions and grants, revoked copies, step 8's copy out in `delivery`);
+  `selector` is the one selector over every pipe, sentinel and a wake-up pipe; `regions` sizes
+  output regions (7); `slot.Slot` is one worker process and its pipe (the owner never blocks
+  writing it: what the pipe does not take waits in the slot's outbox until the selector says
+  writable); `forks` keeps a forked child off the parent's workers.
 - `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core; its `reload`
   starts each slot's new actor next to the old one.
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
@@ -70,7 +76,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
 Lifecycles (engine.core.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->
-READY <-> BUSY -> (RETIRING) -> DEAD -> STARTING ...; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
+READY <-> BUSY (<-> STALLED) -> (RETIRING) -> (EXITING) -> DEAD -> STARTING ..., one table of
+(state, event) -> state; Task QUEUED -> RUNNING -> DONE | FAILED | CANCELLED.
 Importing `slabpool.engine` imports no runtime: onnxruntime and LiteRT load inside the workers.
 """
 

@@ -7,7 +7,6 @@ from concurrent.futures import Future
 
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.task import Batch, Task
-from slabpool.workers.protocol import Packed
 
 
 class Wakes:
@@ -25,7 +24,7 @@ def _queue() -> tuple[TaskQueue, Wakes]:
 
 def _submit(q: TaskQueue, deadline: float | None = None) -> Task:
     q.reserve(None)
-    return q.accept(lambda i: Task(i, Future(), Packed({}, ()), None, ("k",), 1, None, 0, deadline, None))
+    return q.accept(lambda i: Task(i, Future(), None, ("k",), 1, None, 0, deadline, None))
 
 
 def test_a_full_engine_is_not_woken_for_each_new_task() -> None:

@@ -72,7 +72,7 @@ class Case:
             (tmp / name).touch()
         # groups follow the measured run time per task: pin it tiny, so that the batch is one
         # group sent ahead on any machine (a step measured slow under load sends one by one)
-        self.eng._sup.call(setattr, self.eng._sup, "_task_s", 1e-5).result()
+        self.eng._sup.call(setattr, self.eng._sup.dispatcher, "task_s", 1e-5).result()
         self.others.append(self.eng._submit_chunk([self.item(gate="gate-g")], None))  # G
         wait_until((tmp / "gate-g.in").exists, "G in hand")
         single = self.kind == "single" and self.where in ("replay", "in hand")

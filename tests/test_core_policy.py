@@ -17,7 +17,6 @@ from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.states import TaskState
 from slabpool.engine.core.task import Task
 from slabpool.workers.errors import EngineClosed, EngineInternalError, TaskCancelled, TaskTimeout
-from slabpool.workers.protocol import Packed
 
 
 def cfg(models, **kw):  # type: ignore[no-untyped-def]
@@ -62,33 +61,42 @@ def test_a_busy_slot_is_sent_only_a_group_worth_its_message(models) -> None:  # 
 # -- the owner thread ------------------------------------------------------------------------------
 
 
-class Loop(OwnerThread):
+class Body:
+    """A loop body (engine.core.owner.LoopBody) that only runs the calls."""
+
     def __init__(self) -> None:
-        super().__init__("test-owner")
         self.go = threading.Event()
         self.stop = False
         self.failed: BaseException | None = None
+        self.thread = OwnerThread("test-owner", self)
 
     def wake(self) -> None:
         self.go.set()
 
-    def _step(self) -> None:
+    def step(self) -> None:
         self.go.wait(5)
         self.go.clear()
-        self.run_calls()
+        self.thread.run_calls()
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
         return self.stop or self.failed is not None
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         self.failed = error
+
+    def stopped(self) -> None:
+        pass
+
+
+def Loop() -> OwnerThread:
+    return Body().thread
 
 
 def test_calls_run_on_the_owner_thread_and_late_calls_fail() -> None:
     loop = Loop()
     loop.start_loop()
     assert loop.call(lambda: threading.current_thread().name).result(5) == "test-owner"
-    loop.call(setattr, loop, "stop", True).result(5)
+    loop.call(setattr, loop.body, "stop", True).result(5)
     assert loop.join(5)
     with pytest.raises(EngineClosed):
         loop.call(lambda: 1).result(5)
@@ -101,20 +109,20 @@ def test_a_call_that_raises_fails_the_loop_loudly() -> None:
     with pytest.raises(ZeroDivisionError):
         fut.result(5)
     assert loop.join(5)
-    assert isinstance(loop.failed, EngineInternalError) and "ZeroDivisionError" in str(loop.failed)
+    failed = loop.body.failed  # type: ignore[attr-defined]
+    assert isinstance(failed, EngineInternalError) and "ZeroDivisionError" in str(failed)
 
 
 # -- the ledger ------------------------------------------------------------------------------------
 
 
-class Ledger(TaskLedger):
-    def __init__(self) -> None:
-        super().__init__(TaskQueue(capacity=100, policy="block", wake=lambda: None), Metrics())
+def Ledger() -> TaskLedger:
+    return TaskLedger(TaskQueue(capacity=100, policy="block", wake=lambda: None), Metrics())
 
 
 def _task(q: TaskQueue, deadline: float | None = None) -> Task:
     q.reserve(None)
-    return q.accept(lambda i: Task(i, Future(), Packed({}, ()), None, ("k",), 1, None, 0, deadline, None))
+    return q.accept(lambda i: Task(i, Future(), None, ("k",), 1, None, 0, deadline, None))
 
 
 def test_a_task_ends_once_and_its_future_completes_at_the_flush() -> None:

@@ -369,7 +369,7 @@ def _slot_holding(eng: Engine, task_id: int) -> int:
     deadline = time.monotonic() + 60  # only a deadlock reaches it
     while time.monotonic() < deadline:
         for i in range(len(eng._sup.slots)):
-            if int(eng._sup.status[i, 0]) == task_id:
+            if int(eng._transport.status[i, 0]) == task_id:
                 return i
         time.sleep(0.01)
     raise AssertionError(f"no worker took task {task_id}")

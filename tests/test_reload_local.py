@@ -12,7 +12,7 @@ import pytest
 
 from slabpool import Engine
 from slabpool.engine.caller import faults
-from slabpool.engine.local.reload import Reload
+from slabpool.engine.core.reload import ReloadPlan
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
 from tests.reference import ort_run
@@ -31,12 +31,12 @@ def test_a_ready_from_an_incarnation_started_on_the_old_model_does_not_count(mod
         sup = eng._sup
         old = sup.model_spec()
         assert old is not None
-        plan = Reload(dataclasses.replace(old, path=str(v2)), old, drain=True, allow_change=False, order=[0, 1])
+        plan = ReloadPlan(dataclasses.replace(old, path=str(v2)), old, drain=True, allow_change=False, order=[0, 1])
 
         def ready_of_the_old_incarnation() -> int:  # on the supervisor thread, as a Ready is
-            sup.specs[0] = plan.spec  # the swap has reached slot 0 ...
+            sup.slots[0].spec = plan.spec  # the swap has reached slot 0 ...
             plan.on_ready(sup, sup.slots[0])  # ... and the Ready of its old-model worker arrives
-            sup.specs[0] = old
+            sup.slots[0].spec = old
             return len(plan.swapped())
 
         assert sup.call(ready_of_the_old_incarnation).result(timeout=30) == 0

@@ -1,5 +1,5 @@
 """A worker that dies before its handshake says why, in the caller (engine/local/mainguard.py,
-workers/main.py SealedBoot, engine/local/processes.py).
+workers/main.py SealedBoot, engine/local/transport.py).
 
 What the caller can tell before starting any worker, it refuses at once with what to do: a
 script read from stdin (`python - <<EOF`), whose main module no worker can import again; a

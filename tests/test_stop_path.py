@@ -17,7 +17,7 @@ import pytest
 
 from slabpool import Engine
 from slabpool.engine.caller import faults
-from slabpool.engine.local.supervisor import MAX_STARTUP_FAILURES
+from slabpool.engine.core.coordinator import MAX_STARTUP_FAILURES
 from slabpool.workers.errors import SessionInitError
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
@@ -33,7 +33,7 @@ def test_a_late_wake_never_writes_into_an_fd_reused_after_the_stop(models):
     file). Here the numbers are taken by files at once, and the late wake-up comes after."""
     eng = Engine(models.mlp, workers=1)
     eng.infer(X)
-    sup = eng._sup
+    sup = eng._transport.selector
     numbers = sorted((sup._wake_r, sup._wake_w))
     eng.close()
     held = []

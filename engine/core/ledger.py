@@ -2,9 +2,9 @@
 
 It runs on the owner thread (engine.core.owner) and knows tasks, the admission queue, counters and
 metrics; it knows nothing of processes or actors. It keeps every task dispatched and not yet
-ended (`dispatchable` -> `finish`), wherever a backend holds it; a backend tells it, through two
-hooks, how to stop a running task (`_kill_running`) and what a task gives back when it ends
-(`_release`).
+ended (`dispatchable` -> `finish`), wherever a slot holds it. The owner that holds it gives it,
+as two callables, how to stop a running task (`kill_running`) and what a task gives back when
+it ends (`release`).
 
 Hot-path choices (measured, see CHANGELOG.md): counters are summed per step and published
 under one lock (`count` -> `flush`), before the Futures complete, so the books balance when a
@@ -14,6 +14,7 @@ caller looks; Futures complete after the step's state changes, outside any decis
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -22,6 +23,10 @@ from slabpool.engine.core.states import TaskState
 from slabpool.engine.core.task import Result, Task
 from slabpool.workers import errors
 from slabpool.workers.errors import Crash
+
+
+def _nothing(task: Task) -> None:
+    """No inputs to give back, no computation to stop (the ledger on its own, in tests)."""
 
 
 class Closing(enum.Enum):
@@ -34,8 +39,11 @@ class Closing(enum.Enum):
 class TaskLedger:
     """Finish once, cancel, close, quarantine, expire, fail; counters and histograms."""
 
-    def __init__(self, queue: TaskQueue, metrics: Any) -> None:
+    def __init__(self, queue: TaskQueue, metrics: Any, release: Callable[[Task], None] = _nothing,
+                 kill_running: Callable[[Task], None] = _nothing) -> None:
         self.queue = queue
+        self._release = release  # a task ended: give back what it holds that no slot reads
+        self._kill_running = kill_running  # cancel(kill=True): stop its computation, if running
         self.metrics = metrics
         self.closing: Closing | None = None
         self.failure: BaseException | None = None
@@ -44,14 +52,6 @@ class TaskLedger:
         # every task dispatched and not yet ended, wherever it is (a slot, the replay queue, or
         # a local variable of a step): an engine that fails ends each of them, none is lost
         self._unfinished: dict[int, Task] = {}
-
-    # -- what a backend provides -----------------------------------------------------------------
-
-    def _kill_running(self, task: Task) -> None:
-        """cancel(kill=True): stop the computation of `task` if a slot is running it now."""
-
-    def _release(self, task: Task) -> None:
-        """A task ended: give back what it holds that its slot no longer needs."""
 
     # -- endings -----------------------------------------------------------------------------------
 
@@ -137,6 +137,14 @@ class TaskLedger:
         if cancel_pending:
             for task in self.queue.drain_all():
                 self.finish(task, error=cancelled(task, "the engine closed before it started", "closed"))
+
+    def unfinished(self) -> list[Task]:
+        """Every task dispatched and not yet ended (the stop path ends each)."""
+        return list(self._unfinished.values())
+
+    def pending_futures(self) -> list[Future[Result]]:
+        """The Futures of every unfinished task and of every completion not yet flushed."""
+        return [t.future for t in self._unfinished.values()] + [c[0] for c in self._completions]
 
     def abort_in_hand(self, reason: str) -> None:
         """close() ran out of time: every task dispatched and not yet ended ends as cancelled now."""

@@ -6,14 +6,15 @@ owner thread at its next step. A call greps to its callers, needs no dispatch ta
 one fails loudly: every call still pending when the loop exits fails with EngineClosed.
 
     caller threads                  owner thread
-      call(fn, *args) --append-->   _step(): wait for work (a backend's own wait: a selector
-                      --wake()-->            over pipes and sentinels, or an inbox)
+      call(fn, *args) --append-->   body.step(): wait for work (the transport's wait: a
+                      --wake()-->            selector over pipes and sentinels, or an inbox)
       Future <------------------           run_calls(): each fn on this thread, in order
-                                             ... the backend's own work ...
-                                    _finished()? -> _stopped(), then every pending call fails
+                                             ... the owner's work ...
+                                    body.finished()? -> body.stopped(), then every pending call fails
 
-A backend subclasses it with `_step`, `_finished`, `_stopped` and `wake`; `_fail(error)` is
-what an internal bug leads to (the engine fails loudly, nothing is left running).
+It holds its `body` (a `LoopBody`: the coordinator, engine.core.coordinator) rather than being
+its base: `body.fail(error)` is what an internal bug leads to (the engine fails loudly, nothing
+is left running).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from slabpool.workers import errors
 
@@ -31,35 +32,34 @@ T = TypeVar("T")
 log = logging.getLogger("slabpool.engine")
 
 
+class LoopBody(Protocol):
+    """What the owner thread runs: one step at a time until finished, then the stop path."""
+
+    def wake(self) -> None:
+        """Make the body's next wait return (callable from any thread)."""
+
+    def step(self) -> None:
+        """Wait for work once, then do it (the thread's run_calls included)."""
+
+    def finished(self) -> bool: ...
+
+    def fail(self, error: BaseException) -> None:
+        """The engine cannot go on: every waiting and running task fails with `error`."""
+
+    def stopped(self) -> None:
+        """On the owner thread, after the loop: stop every slot, complete what is left."""
+
+
 class OwnerThread:
     """The loop skeleton, the call bus and the thread. See the module docstring."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, body: LoopBody) -> None:
+        self.body = body
         self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._calls_lock = threading.Lock()
         self._loop_done = False  # set once, under _calls_lock: later calls fail at once
         self._forsaken = ""  # in a forked child: why no loop runs here (see forsake)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    # -- what a backend provides ---------------------------------------------------------------
-
-    def wake(self) -> None:
-        """Make the owner's next wait return (callable from any thread)."""
-        raise NotImplementedError
-
-    def _step(self) -> None:
-        """Wait for work once, then do it (run_calls included)."""
-        raise NotImplementedError
-
-    def _finished(self) -> bool:
-        raise NotImplementedError
-
-    def _fail(self, error: BaseException) -> None:
-        """The engine cannot go on: every waiting and running task fails with `error`."""
-        raise NotImplementedError
-
-    def _stopped(self) -> None:
-        """On the owner thread, after the loop: stop every slot, complete what is left."""
 
     # -- the call bus ----------------------------------------------------------------------------
 
@@ -76,11 +76,11 @@ class OwnerThread:
                 fut.set_exception(errors.EngineClosed(self._forsaken or "the engine has stopped: nothing runs this call"))
                 return fut
             self._calls.append((fn, args, fut))
-        self.wake()
+        self.body.wake()
         return fut
 
     def run_calls(self) -> None:
-        """Run every pending call (on the owner thread, from `_step`)."""
+        """Run every pending call (on the owner thread, from the body's step)."""
         while self._calls:
             fn, args, fut = self._calls.popleft()
             _settle(fut, fn, args)
@@ -112,14 +112,14 @@ class OwnerThread:
 
     def _run(self) -> None:
         try:
-            while not self._finished():
-                self._step()
+            while not self.body.finished():
+                self.body.step()
         except BaseException as exc:  # a bug in slabpool: fail everything, loudly
             log.exception("%s failed", self._thread.name)
-            self._fail(errors.EngineInternalError(f"{self._thread.name} thread failed: {exc!r}"))
+            self.body.fail(errors.EngineInternalError(f"{self._thread.name} thread failed: {exc!r}"))
         finally:
             try:
-                self._stopped()
+                self.body.stopped()
             finally:
                 with self._calls_lock:
                     self._loop_done = True

@@ -9,9 +9,13 @@ and the next slot follows. If the new model fails on a slot, the swap stops, tha
 plan); reload() raises once the old model serves on every slot again. Every Result carries
 the version of the slot that computed it.
 
-How a slot is swapped is the backend's: `engine.local.reload` (the worker process exits and is
-rebuilt), `engine.ray.reload` (a new actor is started next to the old one, which keeps serving
-until the new one is ready). The owner thread drives the plan; the caller only waits on `done`.
+The plan is driven by the owner thread (engine.core.coordinator), the same on every backend:
+a slot stops taking work, finishes what it holds (drain=True) or hands it back to the queue
+uncharged (False), exits, and is rebuilt on the new spec by its transport; when its Ready
+arrives the next slot follows, so at least workers - 1 keep serving. Three hooks: `start`,
+`on_ready`, `on_start_failed`. If the new model fails to load, that slot is rebuilt on the old
+one, and so are those already swapped (rolled back: `[slot, *swapped]`). The caller only
+waits on `done`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,27 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Protocol, Self
 
-from slabpool.workers.errors import EngineError
+from slabpool.engine.core.slots import SlotRecord
+from slabpool.workers.errors import EngineError, SessionInitError
 from slabpool.workers.protocol import SessionInfo
 from slabpool.workers.session import SessionSpec
+
+RELOAD_RETRIES = 2  # start-up deaths of a swapped slot, not reported by its session, retried
+
+
+class Swapper(Protocol):
+    """What a plan asks of the owner that drives it (engine.core.coordinator.Coordinator)."""
+
+    slots: list[SlotRecord]
+    info: SessionInfo | None
+
+    def replace(self, slot: SlotRecord, *, drain: bool) -> None: ...
+
+    def start_reload(self, plan: ReloadPlan) -> None: ...
+
+    def end_reload(self, plan: ReloadPlan, info: SessionInfo | None) -> None: ...
 
 
 class SignatureChanged(EngineError, ValueError):
@@ -44,6 +64,7 @@ class ReloadPlan:
     info: SessionInfo | None = None  # the new model's, once a slot runs it
     then: ReloadPlan | None = None  # the failed swap this one rolls back: its caller waits for us
     apply: Callable[[SessionInfo], None] | None = None  # the caller's side takes the new model
+    retries: int = 0  # start-up deaths retried (for the slot being swapped)
     _at: int = 0  # the position in `order` of the slot being swapped
 
     @property
@@ -89,6 +110,59 @@ class ReloadPlan:
         """The swap cannot go on (the engine closes, another swap runs): the caller learns why."""
         if not self.done.is_set():
             self.error = self.error or error
+            self.settle()
+
+
+    # -- driven by the owner thread ------------------------------------------------------------
+
+    def start(self, owner: Swapper) -> None:
+        self.order = self.order or [s.index for s in owner.slots]
+        self._swap(owner, owner.slots[self.at])
+
+    def _swap(self, owner: Swapper, slot: SlotRecord) -> None:
+        slot.spec = self.spec  # what its next incarnation is built on
+        owner.replace(slot, drain=self.drain)
+
+    def _current(self, slot: SlotRecord) -> bool:
+        """The slot being swapped, in an incarnation started on our spec (not one that was
+        already starting on the old model when the swap reached it)."""
+        return not self.done.is_set() and slot.index == self.at and slot.started_spec is self.spec
+
+    def on_ready(self, owner: Swapper, slot: SlotRecord) -> None:
+        """The slot's new incarnation is up: check its signature, then swap the next slot."""
+        if not self._current(slot) or slot.info is None:
+            return
+        refused = self.refused(owner.info, slot.info)
+        if refused is not None:
+            self._fail(owner, slot, refused)
+        elif self.advance(slot.info):
+            owner.end_reload(self, slot.info)
+            self.settle()
+        else:
+            self.retries = 0
+            self._swap(owner, owner.slots[self.at])
+
+    def on_start_failed(self, owner: Swapper, slot: SlotRecord, why: BaseException, reported: bool) -> bool:
+        """The new model did not load: put the old one back and stop. True if it was ours to
+        handle. A death that the session did not report (`reported` False: a signal, a kill
+        from outside, a crash in native code) is retried RELOAD_RETRIES times first, as a
+        start-up death is; a rollback whose model no longer loads leaves the slot to the
+        owner's start-up retries (and their limit)."""
+        if not self._current(slot):
+            return False
+        if not reported and self.retries < RELOAD_RETRIES:
+            self.retries += 1
+            return False  # the owner starts it again, on the new model, after a back-off
+        self._fail(owner, slot, SessionInitError(
+            f"the new model failed to load on slot {slot.index}; the old model keeps serving: {why}"))
+        return self.then is None
+
+    def _fail(self, owner: Swapper, slot: SlotRecord, error: BaseException) -> None:
+        self.error = error
+        owner.end_reload(self, None)
+        if self.then is None:  # this slot, then the ones already swapped, back to the old model
+            owner.start_reload(self.rollback([slot.index, *self.swapped()]))
+        else:
             self.settle()
 
 

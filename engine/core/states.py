@@ -1,8 +1,15 @@
 """Lifecycles as enums with explicit transition tables. An illegal move is a bug.
 
     Engine: ACCEPTING -> DRAINING -> CLOSED
-    Slot:   NEW -> STARTING -> READY <-> BUSY -> DEAD -> STARTING ...; any -> STOPPED
     Task:   QUEUED -> RUNNING -> DONE | FAILED | CANCELLED;  RUNNING -> QUEUED only on replay
+    Slot:   one table of (state, event) -> new state, every move in one place (h11's
+            `_state.py`): no flag beside the enum says what the slot may do.
+
+        NEW --START--> STARTING --UP--> READY <--TAKE / IDLE--> BUSY
+        BUSY --STALL--> STALLED (no progress for stall_after: no new work) --PROGRESS--> BUSY
+        READY | BUSY | STALLED --RETIRE--> RETIRING (finishes what it holds: recycle, reload)
+        READY | BUSY | STALLED | RETIRING --EXIT--> EXITING (told to exit, or killed)
+        any live state --DIE--> DEAD --START--> STARTING ...;  any state --STOP--> STOPPED
 """
 
 from __future__ import annotations
@@ -27,16 +34,6 @@ class EngineState(_Lifecycle):
     CLOSED = "closed"
 
 
-class SlotState(_Lifecycle):
-    NEW = "new"
-    STARTING = "starting"
-    READY = "ready"  # idle, can take work
-    BUSY = "busy"  # holds at least one batch
-    RETIRING = "retiring"  # finishing what it holds, then exits and is rebuilt (recycle, reload)
-    DEAD = "dead"  # process gone, waiting to be rebuilt
-    STOPPED = "stopped"
-
-
 class TaskState(_Lifecycle):
     QUEUED = "queued"
     RUNNING = "running"
@@ -53,19 +50,76 @@ _ALLOWED: dict[_Lifecycle, set[_Lifecycle]] = {
     EngineState.ACCEPTING: {EngineState.DRAINING},
     EngineState.DRAINING: {EngineState.CLOSED},
     EngineState.CLOSED: set(),
-    SlotState.NEW: {SlotState.STARTING, SlotState.STOPPED},
-    SlotState.STARTING: {SlotState.READY, SlotState.DEAD, SlotState.STOPPED},
-    SlotState.READY: {SlotState.BUSY, SlotState.RETIRING, SlotState.DEAD, SlotState.STOPPED},
-    SlotState.BUSY: {SlotState.READY, SlotState.RETIRING, SlotState.DEAD, SlotState.STOPPED},
-    SlotState.RETIRING: {SlotState.DEAD, SlotState.STOPPED},
-    SlotState.DEAD: {SlotState.STARTING, SlotState.STOPPED},
-    SlotState.STOPPED: set(),
     TaskState.QUEUED: {TaskState.RUNNING, TaskState.CANCELLED, TaskState.FAILED},
     TaskState.RUNNING: {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.QUEUED},
     TaskState.DONE: set(),
     TaskState.FAILED: set(),
     TaskState.CANCELLED: set(),
 }
+
+
+class SlotState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"  # building its session; bounded by startup_timeout
+    READY = "ready"  # idle, can take work
+    BUSY = "busy"  # holds at least one batch, can take more
+    STALLED = "stalled"  # its running batch made no progress for stall_after: no new work
+    RETIRING = "retiring"  # finishing what it holds, then exits and is rebuilt (recycle, reload)
+    EXITING = "exiting"  # told to exit (or killed): its death is expected
+    DEAD = "dead"  # gone, waiting to be rebuilt
+    STOPPED = "stopped"
+
+    @property
+    def can_take(self) -> bool:
+        return self in (SlotState.READY, SlotState.BUSY)
+
+    @property
+    def live(self) -> bool:
+        """Started and not yet dead: its death is still to come."""
+        return self not in (SlotState.NEW, SlotState.DEAD, SlotState.STOPPED)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class SlotEvent(enum.Enum):
+    START = "start"  # a (new) incarnation is being built
+    UP = "up"  # its Ready arrived
+    TAKE = "take"  # it was sent a batch
+    IDLE = "idle"  # its last batch ended
+    STALL = "stall"  # no progress for stall_after
+    PROGRESS = "progress"  # a batch ended on a stalled slot that still holds others
+    RETIRE = "retire"  # no new work: finish what it holds, then exit
+    EXIT = "exit"  # told to exit, or killed
+    DIE = "die"  # its process (actor) is gone
+    STOP = "stop"  # the engine stopped it for good
+
+
+_S, _E = SlotState, SlotEvent
+_LIVE = (_S.STARTING, _S.READY, _S.BUSY, _S.STALLED, _S.RETIRING, _S.EXITING)
+SLOT_TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {
+    (_S.NEW, _E.START): _S.STARTING,
+    (_S.DEAD, _E.START): _S.STARTING,
+    (_S.STARTING, _E.UP): _S.READY,
+    (_S.READY, _E.TAKE): _S.BUSY,
+    (_S.BUSY, _E.TAKE): _S.BUSY,
+    (_S.BUSY, _E.IDLE): _S.READY,
+    (_S.STALLED, _E.IDLE): _S.READY,
+    (_S.BUSY, _E.STALL): _S.STALLED,
+    (_S.STALLED, _E.PROGRESS): _S.BUSY,
+    **{(s, _E.RETIRE): _S.RETIRING for s in (_S.READY, _S.BUSY, _S.STALLED, _S.RETIRING)},
+    **{(s, _E.EXIT): _S.EXITING for s in (_S.READY, _S.BUSY, _S.STALLED, _S.RETIRING, _S.EXITING)},
+    **{(s, _E.DIE): _S.DEAD for s in _LIVE},
+    **{(s, _E.STOP): _S.STOPPED for s in (_S.NEW, _S.DEAD, *_LIVE, _S.STOPPED)},
+}
+
+
+def slot_move(state: SlotState, event: SlotEvent) -> SlotState:
+    """The one place a slot's state changes: the table, or EngineInternalError."""
+    try:
+        return SLOT_TABLE[state, event]
+    except KeyError:
+        raise EngineInternalError(f"illegal slot event {event.name} in state {state.name}") from None
 
 
 class KillReason(enum.Enum):

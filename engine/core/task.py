@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slabpool.engine.core.states import TaskState
-from slabpool.shm import Lease
 from slabpool.workers.errors import Crash
-from slabpool.workers.protocol import FaultSpec, Packed
+from slabpool.workers.protocol import FaultSpec
 
 
 @dataclass(frozen=True)
@@ -46,12 +45,15 @@ class Result:
 
 @dataclass(eq=False)
 class Task:
-    """One accepted task. Mutable, owned by the supervisor once dispatched."""
+    """One accepted task. Mutable, owned by the owner thread once dispatched.
+
+    `inputs` is opaque here: what the backend staged at step 2 (a local Engine: the layout
+    of the inputs in the input arena and their lease; Ray: an ObjectRef). The backend's
+    transport reads it and releases it once, when the task has ended and no slot reads it."""
 
     id: int
     future: Future[Result]
-    packed: Packed
-    lease: Lease | None  # its inputs in the input arena; released once, when the task ends
+    inputs: Any
     shape_key: tuple[Any, ...]  # batches group tasks with equal keys
     rows: int  # rows on axis 0, what a stacked batch counts (1 when not batchable)
     context: dict[str, Any] | None
@@ -65,9 +67,8 @@ class Task:
     attempts: int = 0
     crashes: list[Crash] = field(default_factory=list)
     dispatched_at: float = 0.0
-    in_batch: Batch | None = None  # the batch that holds it in a slot (its lease stays till then)
+    in_batch: Batch | None = None  # the batch that holds it in a slot (its inputs stay till then)
     units: int = 1  # caller's items it counts for in stats() (0: a chunk or block, counted by the caller's side)
-    wire_context: Any = None  # the context sealed at submit (protocol.Sealed), as sent to workers
     step: int = 0  # a block of rows: at most this many rows a session call (0: one call)
 
     def move(self, new: TaskState) -> None:
@@ -96,10 +97,7 @@ class Batch:
     stack: bool
     id: int = field(default_factory=lambda: next(_batch_ids))
     crashes: int = 0  # deaths of workers while running exactly this composition
-    out_lease: Lease | None = None
-    out_wanted: int = 0  # output bytes asked for (NeedOutput) while the arena was full
-    # taken back from a stalled slot (its tasks run elsewhere, on copies of their inputs): the
-    # worker may still read the original inputs until it answers, so their leases wait here
+    # taken back from a stalled slot (its tasks run elsewhere): it holds no task any more, and
+    # only its answer (or its slot's death) ends it
     revoked: bool = False
-    pinned: list[Lease] = field(default_factory=list)
     started_at: float | None = None  # when it became the head of its slot

@@ -12,20 +12,20 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-import psutil
-
 from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
+from slabpool.engine.core.coordinator import Coordinator
 from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Result, Task
 from slabpool.engine.local import forks
 from slabpool.engine.local.mainguard import check_main_guard, check_main_importable
-from slabpool.engine.local.reload import Reload
-from slabpool.engine.local.supervisor import Supervisor
+from slabpool.engine.local.staged import Staged
+from slabpool.engine.local.supervisor import supervisor
 from slabpool.shm import (
     Arena,
     CapacityError,
@@ -51,7 +51,7 @@ class Engine(BaseEngine):
     """
 
     chunked_map = True
-    _reload_plan = Reload  # a slot's worker exits and is rebuilt on the new model
+    _reload_plan = ReloadPlan  # a slot's worker exits and is rebuilt on the new model
 
     def _start(self) -> None:
         cfg = self.config
@@ -81,8 +81,8 @@ class Engine(BaseEngine):
     def _init_fault(self, spec: FaultSpec | None) -> None:
         """Tests: a fault in the initializer of every worker started from now on."""
         self._init_fault_spec = spec
-        if hasattr(self, "_sup"):
-            self._sup.boot = self._boot_factory(self.config)
+        if hasattr(self, "_transport"):
+            self._transport.boot = self._boot_factory(self.config)
 
     def _boot_factory(self, cfg: EngineConfig) -> functools.partial[WorkerBoot]:
         """What the supervisor calls to boot a worker: a module function, not a method (the
@@ -105,7 +105,7 @@ class Engine(BaseEngine):
         self._outputs = Arena("out", cfg.shm_capacity, backend=cfg.shm_backend, instance=self._instance,
                               initial_commit=first)
         self._queue = TaskQueue(cfg.queue_capacity, cfg.admission, _no_wake, cfg.queue_bytes)
-        self._sup = Supervisor(
+        self._sup, self._transport = supervisor(
             cfg, self._queue, self._inputs, self._outputs,
             multiprocessing.get_context(cfg.start_method), self._boot_factory(cfg), self._metrics,
         )
@@ -113,7 +113,7 @@ class Engine(BaseEngine):
         self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(
-            _on_stopped, weakref.ref(self), self._sup, self._inputs, self._outputs, self._lock)
+            _on_stopped, weakref.ref(self), self._inputs, self._outputs, self._lock)
         self._set_specs(self._sup.info)
         self._finalizer = weakref.finalize(self, _emergency_stop, self._sup)
 
@@ -163,9 +163,9 @@ class Engine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return Task(task_id, fut, packed, lease, shape_key, items, context, self._seed(task_id),
-                        abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes, units=request.units,
-                        wire_context=wire_context, step=request.step)
+            return Task(task_id, fut, Staged(packed, lease, wire_context), shape_key, items, context,
+                        self._seed(task_id), abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes,
+                        units=request.units, step=request.step)
 
         try:
             task = self._queue.accept(make)
@@ -179,9 +179,10 @@ class Engine(BaseEngine):
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         """End a task that a caller thread took out of the queue (it never reached a slot)."""
         self._cancel_queued(task)
-        if task.lease is not None:
-            self._inputs.release(task.lease)
-            task.lease = None
+        staged: Staged = task.inputs
+        if staged.lease is not None:
+            self._inputs.release(staged.lease)
+            staged.lease = None
         if error is not None:
             task.future.set_exception(error)
 
@@ -191,7 +192,7 @@ class Engine(BaseEngine):
     # -- looking inside -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        slots = tuple(_slot_stats(s) for s in self._sup.slots)
+        slots = tuple(_slot_stats(s, self._transport.memory(s.index)) for s in self._sup.slots)
         return EngineStats(
             self._state.name, slots, len(self._queue), **self._counts(),
             restarts=sum(s.restarts for s in slots),
@@ -210,11 +211,9 @@ class Engine(BaseEngine):
         return f"<Engine {self._state.name} slots={len(slots)} ready={ready} busy={busy} queued={len(self._queue)}>"
 
 
-def _slot_stats(slot: Any) -> SlotStats:
+def _slot_stats(slot: Any, memory: tuple[int, int, int]) -> SlotStats:
     info = slot.info
-    rss = pss = shared = 0
-    if slot.pid and slot.process is not None:
-        rss, pss, shared = worker_memory(slot.pid)
+    rss, pss, shared = memory
     return SlotStats(
         slot.index, slot.pid, slot.state.name, slot.tasks_done, slot.restarts,
         info.runtime if info else "", info.runtime_version if info else "",
@@ -222,15 +221,6 @@ def _slot_stats(slot: Any) -> SlotStats:
         info.degraded if info else False, slot.model_version, rss, pss, shared,
         info.weights if info else "",
     )
-
-
-def worker_memory(pid: int) -> tuple[int, int, int]:
-    """(RSS, PSS, shared bytes) of a process (/proc/PID/smaps_rollup); zeros once it is gone."""
-    try:
-        m = psutil.Process(pid).memory_full_info()
-    except psutil.Error:
-        return 0, 0, 0
-    return m.rss, m.pss, max(m.rss - m.uss, 0)
 
 
 def _plain(skeleton: Any) -> bool:
@@ -291,18 +281,17 @@ def _release_shm(inputs: Arena | None, outputs: Arena | None, lock: InstanceLock
 
 
 def _on_stopped(
-    ref: weakref.ReferenceType[Engine], sup: Supervisor, inputs: Arena, outputs: Arena, lock: InstanceLock | None,
+    ref: weakref.ReferenceType[Engine], inputs: Arena, outputs: Arena, lock: InstanceLock | None,
 ) -> None:
-    """Called by the supervisor thread after every worker is reaped: free the memory, and
-    mark the engine CLOSED if it still exists."""
+    """Called by the supervisor thread after every worker is reaped (and the transport has
+    closed): free the memory, and mark the engine CLOSED if it still exists."""
     _release_shm(inputs, outputs, lock)
-    sup.close_resources()
     engine = ref()
     if engine is not None:
         engine._mark_closed()
 
 
-def _emergency_stop(sup: Supervisor) -> None:
+def _emergency_stop(sup: Coordinator) -> None:
     """The engine was dropped without close(): stop the workers rather than leak them."""
     if sup.join(0):
         return

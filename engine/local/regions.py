@@ -8,11 +8,13 @@ needing more than half the arena goes back to the queue in halves, uncharged), o
 per item are learnt, so later groups and stacked batches are sized to fit from the start
 (engine.core.dispatch.take_limits).
 
-Only the owner thread uses this; it owns the leases it hands out until `release`.
+Only the owner thread uses this (inside the local transport); it owns the leases it hands
+out until `release`. What a batch holds here lives in its `Sent` record, not in the core's Batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from slabpool.engine.core.task import Batch
@@ -21,6 +23,18 @@ from slabpool.shm.alloc import align_up
 from slabpool.workers.protocol import SPLIT, OutputGrant
 
 T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Sent:
+    """A batch as the local transport holds it: sent to a worker, not yet answered."""
+
+    batch: Batch
+    out_lease: Lease | None = None
+    out_wanted: int = 0  # output bytes asked for (NeedOutput) while the arena was full
+    # revoked (its tasks run elsewhere, on copies): the worker may still read the original
+    # inputs until it answers, so their leases wait here
+    pinned: list[Lease] = field(default_factory=list)
 
 
 class OutputRegions:
@@ -43,25 +57,26 @@ class OutputRegions:
         if used > self.per_task * len(batch.tasks):
             self.learn(batch, used)
 
-    def lease_predicted(self, batch: Batch, *, ahead: bool = False) -> Lease | None:
+    def lease_predicted(self, sent: Sent, *, ahead: bool = False) -> Lease | None:
         """A region sized like the last outputs of a batch of the same shapes. Batches sent
         ahead of the running one may hold at most half the arena: the other half is always
         there for a running batch's NeedOutput."""
-        want = self._predicted.get(batch_key(batch))
+        want = self._predicted.get(batch_key(sent.batch))
         if not want:
             return None
         if ahead and self.arena.used + want > self.arena.capacity // 2:
             return None
         lease = self.arena.try_lease(want)
-        batch.out_lease = lease
+        sent.out_lease = lease
         return lease
 
-    def on_need(self, batch: Batch, nbytes: int) -> OutputGrant | None:
-        """The answer to a worker's NeedOutput; None: no room now (batch.out_wanted is set,
+    def on_need(self, sent: Sent, nbytes: int) -> OutputGrant | None:
+        """The answer to a worker's NeedOutput; None: no room now (sent.out_wanted is set,
         and `grant_waiting` answers once a region is released)."""
-        if batch.out_lease is not None and batch.out_lease.nbytes >= nbytes:
-            return OutputGrant(batch.id, batch.out_lease.offset, batch.out_lease.nbytes)
-        self.release(batch)
+        batch = sent.batch
+        if sent.out_lease is not None and sent.out_lease.nbytes >= nbytes:
+            return OutputGrant(batch.id, sent.out_lease.offset, sent.out_lease.nbytes)
+        self.release(sent)
         self.learn(batch, nbytes)
         if len(batch.tasks) > 1 and nbytes > self.arena.capacity // 2:
             return OutputGrant(batch.id, -1, 0, SPLIT)  # its tasks come back, to go apart
@@ -71,12 +86,12 @@ class OutputRegions:
                 f"({self.max_region} bytes; shm_capacity={self.arena.capacity}); raise shm_capacity"))
         lease = self.arena.try_lease(nbytes)
         if lease is None:  # full: the grant waits for the next release (no lease is held here)
-            batch.out_wanted = nbytes
+            sent.out_wanted = nbytes
             return None
-        batch.out_lease = lease
+        sent.out_lease = lease
         return OutputGrant(batch.id, lease.offset, lease.nbytes)
 
-    def grant_waiting(self, held: list[tuple[T, Batch]]) -> list[tuple[T, OutputGrant]]:
+    def grant_waiting(self, held: list[tuple[T, Sent]]) -> list[tuple[T, OutputGrant]]:
         """Regions for the batches (each with its slot) that asked while the arena was full,
         in order, while room lasts."""
         grants = []
@@ -86,15 +101,15 @@ class OutputRegions:
                 if lease is None:
                     break
                 b.out_lease, b.out_wanted = lease, 0
-                grants.append((slot, OutputGrant(b.id, lease.offset, lease.nbytes)))
+                grants.append((slot, OutputGrant(b.batch.id, lease.offset, lease.nbytes)))
         return grants
 
-    def release(self, batch: Batch) -> bool:
+    def release(self, sent: Sent) -> bool:
         """Give back the batch's region (once its run has really ended); True if it had one."""
-        if batch.out_lease is None:
+        if sent.out_lease is None:
             return False
-        self.arena.release(batch.out_lease)
-        batch.out_lease = None
+        self.arena.release(sent.out_lease)
+        sent.out_lease = None
         return True
 
 

@@ -1,6 +1,7 @@
-"""One slot: a worker process, its private pipe, and the batches it holds, in order.
+"""One slot's worker process, its private pipe, and the batches sent to it, in order (the
+local transport's; the slot's state and tasks are the owner's, engine.core.slots).
 
-The head of `batches` is the one running; the rest were sent ahead and wait in the pipe.
+The head of `sent` is the one running; the rest were sent ahead and wait in the pipe.
 A slot is rebuilt in place: same index, new process, new pipe, new incarnation number.
 
 The supervisor never blocks writing a pipe: its end does not block, and what the pipe does not
@@ -21,48 +22,33 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from slabpool.engine.core.states import KillReason, SlotState
-from slabpool.engine.core.task import Batch
 from slabpool.engine.local.forks import WORKER_NAME
+from slabpool.engine.local.regions import Sent
 from slabpool.shm.mapping import PassFd
 from slabpool.workers.main import SealedBoot, WorkerBoot, main
-from slabpool.workers.protocol import SessionInfo, encode
+from slabpool.workers.protocol import Shutdown, encode
 from slabpool.workers.wire import FrameReader, head
 
 
 class Slot:
+    """The process side of one slot (its state and tasks are the owner's, engine.core.slots)."""
+
     def __init__(self, index: int) -> None:
         self.index = index
-        self.state = SlotState.NEW
         self.incarnation = 0
         self.process: BaseProcess | None = None
         self.conn: Connection | None = None
         self.reader: FrameReader | None = None  # reads conn's frames in bulk
         self.pid = 0
-        self.info: SessionInfo | None = None
-        self.batches: deque[Batch] = deque()
-        self.tasks_done = 0  # over every incarnation
-        self.incarnation_done = 0  # by the current process (max_tasks_per_worker)
-        self.restarts = 0
-        self.startup_failures = 0
+        self.up = False  # this incarnation sent its Ready
+        self.sent: deque[Sent] = deque()  # batches sent and not yet answered, in order
         self.init_error: Any = None  # the InitFailed error of the current incarnation
-        self.spec: Any = None  # the SessionSpec the current incarnation was started on
-        self.respawn_at: float | None = None
-        self.ready_by: float | None = None  # STARTING: killed if not READY by then (startup_timeout)
-        self.kill_reason: KillReason | None = None  # why we are killing it (None: we are not)
+        self.killing = False  # told to exit, or signalled: its death is coming
         self.kill_escalate_at: float | None = None
-        self.retiring = False
-        self.stalled_since: float | None = None  # its running batch made no progress for stall_after
-        self.rss = 0
-        self.model_version = ""
         self.outbox = bytearray()  # frames written to the pipe only in part, or not yet
         self.on_backlog: Callable[[Slot], None] = _no_backlog  # told when the outbox fills
 
     # -- lifecycle ----------------------------------------------------------------------------
-
-    def move(self, new: SlotState) -> None:
-        self.state.check(new)
-        self.state = new
 
     def spawn(self, ctx: BaseContext, boot: WorkerBoot, in_fd: int, out_fd: int) -> None:
         parent, child = ctx.Pipe(duplex=True)
@@ -79,13 +65,10 @@ class Slot:
         self.process, self.conn, self.pid = proc, parent, proc.pid or 0
         self.reader = FrameReader(parent.fileno())
         self.outbox = bytearray()
-        self.batches.clear()
-        self.incarnation_done = 0
+        self.sent.clear()
         self.init_error = None
-        self.kill_reason = self.kill_escalate_at = self.respawn_at = None
-        self.retiring = False
-        self.stalled_since = None
-        self.move(SlotState.STARTING)
+        self.up = self.killing = False
+        self.kill_escalate_at = None
 
     def send(self, msg: Any) -> bool:
         """Send a message; False if the pipe is broken (the worker is dying: its sentinel fires)."""
@@ -132,13 +115,22 @@ class Slot:
         del self.outbox[:n]
         return not self.outbox
 
-    def kill(self, reason: KillReason, grace: float = 0.5) -> None:
+    def kill(self, grace: float = 0.5) -> None:
         """SIGTERM now, SIGKILL after `grace`: the only way to stop code that will not return."""
-        if self.process is None or self.kill_reason is not None:
+        if self.process is None or self.killing:
             return
-        self.kill_reason = reason
+        self.killing = True
         self.kill_escalate_at = time.monotonic() + grace
         self._signal(signal.SIGTERM)
+
+    def ask_exit(self, grace: float) -> None:
+        """Shutdown on the pipe (the worker exits once it has answered what it holds), SIGKILL
+        after `grace`."""
+        if self.process is None or self.killing:
+            return
+        self.killing = True
+        self.kill_escalate_at = time.monotonic() + grace
+        self.send(Shutdown())
 
     def escalate(self) -> None:
         self.kill_escalate_at = None
@@ -163,14 +155,8 @@ class Slot:
         self.outbox = bytearray()  # nobody will read it
         return code
 
-    # -- views --------------------------------------------------------------------------------
-
-    @property
-    def can_take(self) -> bool:
-        return self.state in (SlotState.READY, SlotState.BUSY) and not self.retiring and self.stalled_since is None
-
     def __repr__(self) -> str:
-        return f"<Slot {self.index} {self.state.name} pid={self.pid} holds={len(self.batches)}>"
+        return f"<worker of slot {self.index} pid={self.pid} sent={len(self.sent)}>"
 
 
 def _no_backlog(slot: Slot) -> None:

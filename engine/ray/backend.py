@@ -51,7 +51,7 @@ from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
 from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
 from slabpool.engine.ray.reload import RayReload
-from slabpool.workers.protocol import Packed, SessionInfo
+from slabpool.workers.protocol import SessionInfo
 
 log = logging.getLogger("slabpool.engine.ray")
 
@@ -59,7 +59,6 @@ _UNSUPPORTED = {  # settings of the local engine that the Ray backend does not i
     "max_batch_size": 1, "task_timeout": None, "max_tasks_per_worker": None, "worker_memory_limit": None,
 }  # fmt: skip
 _IGNORED = ("start_method", "shm_capacity", "shm_backend")  # process and shared-memory details
-_NO_PACK = Packed(None, ())  # Ray tasks carry an ObjectRef instead of a shared-memory layout
 
 
 class RayEngine(BaseEngine):
@@ -136,7 +135,7 @@ class RayEngine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return RayTask(task_id, fut, _NO_PACK, None, shape_key, items, request.context,
+            return RayTask(task_id, fut, None, shape_key, items, request.context,
                            self._seed(task_id), abs_deadline, request.fault, copy_in_s=put_s, ref=ref,
                            units=request.units, step=request.step)
 

@@ -77,7 +77,6 @@ class _RaySlot:
     swapping: bool = False  # a reload swaps its actor: no new work for it
 
     def move(self, new: SlotState) -> None:
-        self.state.check(new)
         self.state = new
 
     @property
@@ -117,8 +116,8 @@ class _Ledger(OwnerThread, TaskLedger):
         cpus_per_slot: float,
         actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None,
     ) -> None:
-        OwnerThread.__init__(self, "slabpool-ray-ledger")
-        TaskLedger.__init__(self, q, metrics)
+        OwnerThread.__init__(self, "slabpool-ray-ledger", self)
+        TaskLedger.__init__(self, q, metrics, self._release, self._kill_running)
         self.cfg = cfg
         self.info: SessionInfo | None = None
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -190,7 +189,7 @@ class _Ledger(OwnerThread, TaskLedger):
             exc = E.SessionInitError(
                 f"slot {s.index} could not build its session: {msg.error.type_name}: {msg.error.message}")
             exc.__cause__ = E.RemoteTraceback(msg.error.traceback)
-            self._fail(exc)
+            self.fail(exc)
             return
         s.move(SlotState.READY)
         self._up(s, msg)
@@ -212,7 +211,7 @@ class _Ledger(OwnerThread, TaskLedger):
     def post(self, event: tuple[Any, ...]) -> None:
         self._inbox.put(event)
 
-    def _step(self) -> None:
+    def step(self) -> None:
         timer = self._next_timer(time.monotonic())
         try:
             event = self._inbox.get(timeout=timer)
@@ -243,15 +242,15 @@ class _Ledger(OwnerThread, TaskLedger):
                 return
             self.kill_actor(event[1])  # a swap that ended before its actor answered
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
         if self.failure is not None:
             return True
         return self.closing is not None and len(self.queue) == 0 and not self._flights
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         self.fail_all(error)
 
-    def _stopped(self) -> None:
+    def stopped(self) -> None:
         if self.reload is not None:
             self.reload.abort(E.EngineClosed("the engine closed during the reload"))
             self.kill_actor(self.reload.actor)
@@ -422,7 +421,7 @@ class _Ledger(OwnerThread, TaskLedger):
             log.info("slot %d is back (pid %d, node %s)", slot.index, slot.pid, slot.node_id[:8])
             return
         if _permanently_dead(exc):
-            self._fail(E.WorkerError(f"the actor of slot {slot.index} is dead for good: {exc}"))
+            self.fail(E.WorkerError(f"the actor of slot {slot.index} is dead for good: {exc}"))
             return
         slot.ping_at = time.monotonic() + slot.ping_backoff  # Ray is still restarting it
         slot.ping_backoff = min(slot.ping_backoff * 2, MAX_PING_BACKOFF_S)

@@ -31,7 +31,7 @@ class RayReload(ReloadPlan):
     actor: Any = None  # the new actor of the slot being swapped
     ready: ActorReady | None = None  # its answer, once it has built the new session
 
-    def start(self, led: _Ledger) -> None:
+    def start(self, led: _Ledger) -> None:  # type: ignore[override]
         self.order = self.order or [s.index for s in led.slots]
         self._launch(led)
 
@@ -40,7 +40,7 @@ class RayReload(ReloadPlan):
         self.actor.ready.remote().future().add_done_callback(
             lambda f, a=self.actor: led.post(("reload", a, f)))
 
-    def on_ready(self, led: _Ledger, actor: Any, fut: Future[ActorReady]) -> bool:
+    def on_ready(self, led: _Ledger, actor: Any, fut: Future[ActorReady]) -> bool:  # type: ignore[override]
         """The new actor answered (or died building its session). False if it is not ours."""
         if actor is not self.actor or self.done.is_set():
             return False
@@ -78,7 +78,7 @@ class RayReload(ReloadPlan):
         else:
             self._launch(led)
 
-    def _fail(self, led: _Ledger, error: BaseException) -> None:
+    def _fail(self, led: _Ledger, error: BaseException) -> None:  # type: ignore[override]
         """The new actor goes (the old one never stopped serving); the slots already swapped
         are swapped back before the caller learns why."""
         led.kill_actor(self.actor)

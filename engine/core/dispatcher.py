@@ -1,0 +1,205 @@
+"""Steps 3-4 of the task flow (which batch goes to which slot) and steps 8-9 on the owner's
+side (a Done's outcomes end their tasks; what a batch held goes back), the same for every
+backend. The limits come from the pure policy in engine.core.dispatch; the I/O is the
+transport's (engine.core.transport).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from slabpool.engine.core import dispatch
+from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.ledger import TaskLedger
+from slabpool.engine.core.slots import SlotRecord
+from slabpool.engine.core.states import KillReason, SlotEvent, SlotState, TaskState
+from slabpool.engine.core.task import Batch, Task
+from slabpool.engine.core.transport import Done, SlotTransport, Unsendable
+from slabpool.workers import errors as E
+
+log = logging.getLogger("slabpool.engine")
+_RECYCLABLE = (SlotState.READY, SlotState.BUSY, SlotState.STALLED)
+
+
+class Dispatcher:
+    """Feeds the slots from the admission queue; ends what their Dones report."""
+
+    def __init__(
+        self, cfg: EngineConfig, queue: TaskQueue, ledger: TaskLedger, transport: SlotTransport,
+        slots: list[SlotRecord], kill: Callable[[SlotRecord, KillReason, float], None],
+    ) -> None:
+        self.cfg, self.queue, self.ledger, self.transport, self.slots = cfg, queue, ledger, transport, slots
+        self._kill = kill
+        self.task_s: float | None = None  # mean run time per task (EWMA), sizes groups
+        self.batch_ready_at: float | None = None  # a stacked batch still filling: send it then
+
+    # -- steps 3-4 ---------------------------------------------------------------------------------
+
+    def dispatch(self, now: float) -> None:
+        self.batch_ready_at = None
+        depth = self.cfg.inflight_per_slot
+        wait_s = self.cfg.max_batch_wait_ms / 1000.0
+        while True:
+            open_slots = [s for s in self.slots if s.state.can_take and len(s.batches) < depth]
+            if not open_slots:
+                self.queue.hungry = False  # new tasks wait for a completion, which dispatches
+                return
+            slot = min(open_slots, key=lambda s: len(s.batches))  # step 3: idle slots first
+            budget = dispatch.task_budget(self.cfg, slot.incarnation_done, slot.held, False)
+            if budget == 0:  # recycled after what it holds: no more work for this incarnation
+                slot.fire(SlotEvent.RETIRE)
+                self.retire_if_due(slot)
+                continue
+            live = sum(s.state.can_take for s in self.slots)  # the queue is shared by every slot,
+            # not only those open right now: a group sized for one open slot would starve the rest
+            room = self.transport.room()
+            lim = dispatch.take_limits(
+                self.cfg, budget=budget, task_s=self.task_s, out_per_task=room.per_task,
+                out_per_item=room.per_item, capacity=room.capacity, busy=bool(slot.batches), live_slots=live)
+            got = self.queue.take(lim.max_items, wait_s, now, live, lim.max_tasks, lim.min_tasks)
+            if got is None:
+                return
+            if isinstance(got, float):
+                self.batch_ready_at = got
+                return
+            self.send_batch(slot, got, now)
+
+    def send_batch(self, slot: SlotRecord, batch: Batch, now: float) -> None:
+        for task in batch.tasks:
+            if not self.ledger.dispatchable(task):
+                continue
+            if task.state is TaskState.QUEUED:
+                task.move(TaskState.RUNNING)  # step 4
+            task.attempts += 1
+            task.dispatched_at = task.dispatched_at or now
+            task.in_batch = batch
+        batch.tasks = [t for t in batch.tasks if t.state is TaskState.RUNNING]
+        if not batch.tasks:
+            return
+        slot.batches.append(batch)
+        if batch.stack:
+            self.ledger.count("stacked_batches")
+        if slot.state is SlotState.READY:
+            slot.fire(SlotEvent.TAKE)
+        if len(slot.batches) == 1:
+            batch.started_at = now
+        try:
+            self.transport.send(slot.index, batch)
+        except Unsendable as exc:
+            self._unsendable(slot, batch, exc)
+
+    def _unsendable(self, slot: SlotRecord, batch: Batch, exc: Unsendable) -> None:
+        """A batch that would not pickle (user data submit() could not check, such as a dict
+        key): take it back; several tasks go again one by one, one fails alone."""
+        slot.batches.remove(batch)
+        if not slot.batches and slot.state is SlotState.BUSY:
+            slot.fire(SlotEvent.IDLE)
+        for t in batch.tasks:
+            t.in_batch = None
+        if len(batch.tasks) > 1:
+            for t in batch.tasks:
+                t.move(TaskState.QUEUED)
+            self.queue.push_replays([Batch([t], stack=False) for t in batch.tasks], count=False)
+            return
+        task = batch.tasks[0]
+        self.ledger.finish(task, error=E.TaskDataError(
+            f"task {task.id} cannot be sent to a worker: {exc}", task_id=task.id))
+
+    # -- steps 8-9 -----------------------------------------------------------------------------------
+
+    def on_done(self, ev: Done, now: float) -> None:
+        slot = self.slots[ev.slot]
+        if not slot.batches or slot.batches[0].id != ev.batch_id:
+            log.warning("dropped a stale completion of batch %d from slot %d", ev.batch_id, ev.slot)
+            return
+        batch = slot.batches.popleft()
+        if slot.state is SlotState.STALLED and slot.stalled_at is not None:
+            log.warning("slot %d (pid %d) makes progress again, after %.1f s", slot.index, slot.pid,
+                        now - slot.stalled_at)
+        if not batch.revoked:  # (a revoked one's tasks ran elsewhere: only what it held goes back)
+            self._ended(slot, batch, ev, now)
+        self.end_batch(batch)  # step 9: inputs go back now that the run has really ended
+        self._after_batch(slot, now)
+
+    def _ended(self, slot: SlotRecord, batch: Batch, ev: Done, now: float) -> None:
+        n = len(batch.tasks)
+        slot.tasks_done += n
+        slot.incarnation_done += n
+        slot.rss = ev.rss or slot.rss
+        per_task = ev.run_s / max(n, 1)
+        self.task_s = per_task if self.task_s is None else 0.9 * self.task_s + 0.1 * per_task
+        finish, version, pid = self.ledger.finish, slot.model_version, ev.pid or slot.pid
+        split: list[Task] = []
+        for o in ev.outcomes:
+            task = o.task
+            if task.state.is_terminal:
+                continue  # cancelled meanwhile: its result is dropped
+            if o.split:
+                split.append(task)
+            elif o.error is not None:
+                finish(task, error=o.error)
+            else:  # step 9
+                finish(task, result=task.result(o.outputs, version, slot.index, pid, per_task, o.copy_s, now))
+        if ev.in_place:
+            self.ledger.count("outputs_in_place", ev.in_place)
+        if split:
+            self._requeue_apart(batch, split)
+
+    def end_batch(self, batch: Batch) -> None:
+        """A batch's run has ended: the inputs of its tasks that have ended go back."""
+        for t in batch.tasks:
+            t.in_batch = None
+        self.transport.release([t for t in batch.tasks if t.state.is_terminal])
+
+    def _after_batch(self, slot: SlotRecord, now: float) -> None:
+        if slot.batches:
+            head = slot.batches[0]
+            if not head.revoked:  # the next batch starts running now (a revoked one runs not)
+                head.started_at = max(now, head.started_at or now)
+            if slot.state is SlotState.STALLED:
+                slot.fire(SlotEvent.PROGRESS)
+        elif slot.state in (SlotState.BUSY, SlotState.STALLED):
+            slot.fire(SlotEvent.IDLE)
+        slot.stalled_at = None if slot.state is not SlotState.STALLED else slot.stalled_at
+        self.retire_if_due(slot)
+
+    def _requeue_apart(self, batch: Batch, tasks: list[Task]) -> None:
+        """Tasks whose outputs would not fit one region together go back to the queue, in
+        halves, ahead of new work and uncharged (their outputs are sized anew each time)."""
+        for t in tasks:
+            t.move(TaskState.QUEUED)
+        half = (len(tasks) + 1) // 2
+        parts = [p for p in (tasks[:half], tasks[half:]) if p]
+        self.queue.push_replays([Batch(p, stack=batch.stack and len(p) > 1) for p in parts], count=False)
+
+    # -- recycling -----------------------------------------------------------------------------------
+
+    def retire_if_due(self, slot: SlotRecord) -> None:
+        """max_tasks_per_worker, worker_memory_limit: no more work for this incarnation; once
+        it holds nothing, it is asked to exit (and then rebuilt)."""
+        cfg = self.cfg
+        if slot.state in _RECYCLABLE:
+            too_many = cfg.max_tasks_per_worker is not None and slot.incarnation_done >= cfg.max_tasks_per_worker
+            too_big = cfg.worker_memory_limit is not None and slot.rss > cfg.worker_memory_limit
+            if too_many or too_big:
+                slot.fire(SlotEvent.RETIRE)
+                log.info("retiring slot %d: %s", slot.index, "max_tasks_per_worker" if too_many else "worker_memory_limit")
+        if slot.state is SlotState.RETIRING and not slot.batches and slot.kill_reason is None:
+            slot.fire(SlotEvent.EXIT)
+            slot.kill_reason = KillReason.RETIRE
+            self.transport.retire(slot.index)
+
+    def kill_running(self, task: Task) -> None:
+        """cancel(kill=True): the slot whose running batch holds the task is rebuilt."""
+        for slot in self.slots:
+            if slot.batches and task in slot.batches[0].tasks:
+                self._kill(slot, KillReason.CANCEL, 0.5)
+                return
+
+    def release(self, task: Task) -> None:
+        """The ledger's: a task ended. Its inputs go back now, unless a batch in a slot still
+        holds it (they go back with the batch, end_batch)."""
+        if task.in_batch is None:
+            self.transport.release((task,))

@@ -1,0 +1,148 @@
+"""The one selector of a local Engine: every worker's pipe, every worker's process sentinel,
+and the wake-up pipe other threads write to. Part of the local transport
+(engine.local.transport), which alone calls it, on the owner thread (`wake` from any thread).
+
+Keys are values (`Key`: what an fd stands for, and the object it belongs to), compared by
+the identity of that object: a pipe or a process that has gone is never mistaken for the
+next one on the same fd number.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import selectors
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from slabpool.engine.local.slot import Slot
+
+
+class Watched(enum.Enum):
+    WAKE = "wake"
+    CONN = "conn"  # a worker's pipe: readable (and writable while its outbox holds something)
+    EXIT = "exit"  # a worker's process sentinel
+
+
+@dataclass(frozen=True, eq=False)
+class Key:
+    kind: Watched
+    worker: Slot | None
+    obj: Any  # the Connection or the Process it stands for
+
+    def same(self, other: Key | None) -> bool:
+        return other is not None and (other.kind, other.worker, other.obj) == (self.kind, self.worker, self.obj)
+
+
+class SlotSelector:
+    def __init__(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        # closed under this lock, and never written once closed (CPython's _ThreadWakeup): a
+        # caller's late wake() must not write into an fd number that something else now holds
+        self._wake_lock = threading.Lock()
+        self._wake_closed = False
+        self._selector = selectors.DefaultSelector()
+        self._watched: dict[int, Key] = {}
+        self._wake_key = Key(Watched.WAKE, None, None)
+        self.dirty = True  # set whenever a pipe or a process comes or goes
+
+    def wake(self) -> None:
+        if self._wake_pending:
+            return  # a byte is already on its way: one wake-up serves every caller before it
+        with self._wake_lock:
+            if self._wake_closed:
+                return  # the loop has stopped: nothing to wake
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: it is awake already
+
+    def select(self, workers: list[Slot], timeout: float | None) -> list[tuple[Key, int]]:
+        """One wait; the wake-up pipe is read here (a wake() from then on writes again, and
+        one that saw a byte pending is served by the caller's step: its work is queued)."""
+        if self.dirty:
+            self._sync(workers)
+        got = [(key.data, mask) for key, mask in self._selector.select(timeout)]
+        for key, _ in got:
+            if key.kind is Watched.WAKE:
+                os.read(self._wake_r, 4096)
+                self._wake_pending = False
+        return got
+
+    def _sync(self, workers: list[Slot]) -> None:
+        """Bring the persistent selector in line with the live pipes and sentinels. Only after
+        a spawn, a death or a closed pipe: a fresh poll set per step cost a third of the loop.
+        A pipe is watched for writing too while its worker's outbox holds something."""
+        want: dict[int, Key] = {self._wake_r: self._wake_key}
+        for w in workers:
+            if w.conn is not None:
+                want[w.conn.fileno()] = _same_or_new(self._watched, w.conn.fileno(), Watched.CONN, w, w.conn)
+            if w.process is not None:
+                want[w.process.sentinel] = _same_or_new(self._watched, w.process.sentinel, Watched.EXIT, w,
+                                                        w.process)
+        for fd, key in list(self._watched.items()):
+            if want.get(fd) is not key:
+                self._unregister(fd)
+                del self._watched[fd]
+        for fd, key in want.items():
+            if fd not in self._watched:
+                self._selector.register(fd, _events(key), key)
+                self._watched[fd] = key
+        self.dirty = False
+
+    def set_writing(self, w: Slot, on: bool) -> None:
+        """Watch a worker's pipe for writing too (its outbox holds something), or no longer."""
+        if w.conn is None:
+            return
+        fd = w.conn.fileno()
+        key = self._watched.get(fd)
+        if key is None:
+            self.dirty = True  # registered with its outbox's events on the next sync
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        if self._selector.get_key(fd).events != events:
+            self._selector.modify(fd, events, key)
+
+    def forget(self, fd: int) -> None:
+        """Unwatch an fd before it is closed (its number may be reused at once)."""
+        if self._watched.pop(fd, None) is not None:
+            self._unregister(fd)
+        self.dirty = True
+
+    def forget_worker(self, w: Slot) -> None:
+        if w.conn is not None:
+            self.forget(w.conn.fileno())
+        if w.process is not None:
+            self.forget(w.process.sentinel)
+
+    def _unregister(self, fd: int) -> None:
+        try:
+            self._selector.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def close(self) -> None:
+        with self._wake_lock:
+            if self._wake_closed:
+                return
+            self._wake_closed = True
+            self._selector.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+
+def _same_or_new(watched: dict[int, Key], fd: int, kind: Watched, w: Slot, obj: Any) -> Key:
+    key = Key(kind, w, obj)
+    old = watched.get(fd)
+    return old if old is not None and key.same(old) else key
+
+
+def _events(key: Key) -> int:
+    """What to watch an fd for: a worker's pipe also for writing while its outbox is not empty."""
+    if key.kind is Watched.CONN and key.worker is not None and key.worker.outbox:
+        return selectors.EVENT_READ | selectors.EVENT_WRITE
+    return selectors.EVENT_READ
