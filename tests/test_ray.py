@@ -590,6 +590,52 @@ def test_reload_after_close_is_refused(backend: str, models: SimpleNamespace, v2
         eng.reload(v2.parent / "missing.onnx")
 
 
+def test_task_timeout_and_recycling_hold_on_both_backends(backend: str, models: SimpleNamespace,
+                                                           tmp_path: Path) -> None:
+    """The owner's timers and recycling are the same code on both backends (engine.core):
+    a task past task_timeout fails alone with TaskTimeout and its slot is rebuilt; every
+    incarnation serves max_tasks_per_worker tasks at most, then is replaced."""
+    if backend == DELEGATED:
+        return
+    with build(backend, models.mlp, preprocess=HOOK, task_timeout=1.0, max_tasks_per_worker=3) as eng:
+        hung = eng.submit({"x": rows(0), "gate": str(tmp_path / "never")})  # holds its slot for good
+        with pytest.raises(E.TaskTimeout, match=r"task_timeout=1\.0"):
+            hung.result(60)
+        results = [eng.submit({"x": rows(i)}).result(60) for i in range(8)]
+        st = eng.stats()
+    for i, res in enumerate(results):
+        assert_mlp(res.outputs, rows(i))
+    assert (st.timeouts, st.failed, st.completed) == (1, 1, 8)
+    assert len({r.pid for r in results}) >= 3  # 8 tasks, 3 an incarnation: recycled
+
+
+def test_batching_and_the_byte_bound_hold_on_both_backends(backend: str, models: SimpleNamespace,
+                                                            tmp_path: Path) -> None:
+    """Dynamic batching and admission's byte bound are the owner's and the queue's, the same
+    on both backends: with both slots held, a second large input waiting is refused
+    (admission="reject", queue_bytes), and small ones that wait run stacked, with each
+    task's own outputs."""
+    if backend == DELEGATED:
+        return
+    gate = tmp_path / "gate"
+    big = np.zeros((6000, 16), np.float32)  # 384 KB
+    with build(backend, models.mlp, preprocess=HOOK, max_batch_size=4, inflight_per_slot=1,
+               admission="reject", queue_bytes=600_000) as eng:
+        held = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(2)]
+        wait_until(lambda: eng.stats().queued == 0)  # one on each slot
+        waiting = eng.submit({"x": big})
+        with pytest.raises(E.QueueFull, match="bytes waiting"):
+            eng.submit({"x": big})
+        small = [eng.submit({"x": rows(10 + i, n=1)}) for i in range(8)]
+        gate.touch()
+        results = [f.result(60) for f in held + small]
+        assert waiting.result(60).outputs["probs"].shape == (6000, 8)
+        st = eng.stats()
+    for i, res in enumerate(results[2:]):
+        assert_mlp(res.outputs, rows(10 + i, n=1))
+    assert st.stacked_batches >= 1 and st.failed == 0
+
+
 # -- Ray only -----------------------------------------------------------------------------------
 
 
@@ -726,6 +772,18 @@ def test_ray_data_predictor_refuses_ragged_columns(models: SimpleNamespace, cell
         SlabpoolPredictor(models.mlp)({"id": np.arange(len(cells)), "x": column})
     with pytest.raises(TypeError, match="SlabpoolPredictor\\(\\) got an unexpected setting 'max_workers'"):
         SlabpoolPredictor(models.mlp, max_workers=2)
+
+
+@pytest.mark.parametrize("setting", [{"start_method": "spawn"}, {"shm_capacity": 1 << 26},
+                                     {"shm_backend": "posix"}, {"in_place_min_bytes": 0}])
+def test_a_setting_that_means_nothing_on_ray_is_refused_by_name(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, setting: dict[str, Any]
+) -> None:
+    if ray_only is None:
+        return
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"{name}=.* does not apply to the Ray backend: "):
+        RayEngine(models.mlp, **setting)
 
 
 def test_a_slot_that_cannot_be_placed_stays_starting(

@@ -43,8 +43,8 @@ Hook = Callable[..., Any] | str | None  # a module-level function, or "module:fu
 
 
 class Owner(Protocol):
-    """What the caller's side asks of a backend's owner thread: an engine.core.owner.OwnerThread
-    that is also an engine.core.ledger.TaskLedger, and can abort."""
+    """What the caller's side asks of a backend's owner (engine.core.coordinator.Coordinator):
+    its thread's calls, and the ledger's cancel and close."""
 
     @property
     def on_thread(self) -> bool: ...

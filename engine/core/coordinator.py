@@ -109,10 +109,13 @@ class Coordinator:
         self.thread.start_loop()
 
     def _wait_quorum(self, deadline: float) -> None:
-        while sum(s.state is SlotState.READY for s in self.slots) < self.transport.quorum:
+        while (up := sum(s.state is SlotState.READY for s in self.slots)) < self.transport.quorum:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self.transport.startup_timeout_error(self.cfg.startup_timeout)
+                error = self.transport.startup_timeout_error(self.cfg.startup_timeout, up)
+                if error is None:
+                    return
+                raise error
             for ev in self.transport.wait(left):
                 if type(ev) is Died:
                     raise ev.startup_error or E.SessionInitError(f"slot {ev.slot} died during start-up: {ev.cause}")
@@ -123,7 +126,8 @@ class Coordinator:
 
     def spawn(self, slot: SlotRecord) -> None:
         """A new incarnation of the slot, on its spec (the crash path's b; a reload's swap)."""
-        slot.started(slot.spec, time.monotonic() + self.cfg.startup_timeout)
+        bound = time.monotonic() + self.cfg.startup_timeout if self.transport.startup_bound else None
+        slot.started(slot.spec, bound)
         slot.pid = self.transport.start(slot.index, slot.spec) or slot.pid
 
     def kill(self, slot: SlotRecord, reason: KillReason, grace: float) -> None:

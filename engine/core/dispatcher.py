@@ -56,7 +56,7 @@ class Dispatcher:
             # not only those open right now: a group sized for one open slot would starve the rest
             room = self.transport.room()
             lim = dispatch.take_limits(
-                self.cfg, budget=budget, task_s=self.task_s, out_per_task=room.per_task,
+                self.cfg, budget=min(budget, room.max_tasks), task_s=self.task_s, out_per_task=room.per_task,
                 out_per_item=room.per_item, capacity=room.capacity, busy=bool(slot.batches), live_slots=live)
             got = self.queue.take(lim.max_items, wait_s, now, live, lim.max_tasks, lim.min_tasks)
             if got is None:

@@ -42,7 +42,7 @@ class SlotRecord:
         """The one way its state changes (the table in engine.core.states)."""
         self.state = slot_move(self.state, event)
 
-    def started(self, spec: Any, ready_by: float) -> None:
+    def started(self, spec: Any, ready_by: float | None) -> None:
         """A new incarnation is being built on `spec`."""
         self.fire(SlotEvent.START)
         self.incarnation += 1

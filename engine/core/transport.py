@@ -91,6 +91,7 @@ class Room:
     per_task: int = 0
     per_item: int = 0
     capacity: int = 1 << 62  # what one batch's outputs may take at most (no bound: no arena)
+    max_tasks: int = 1 << 30  # tasks a group may hold at most (the transport's own limit)
 
 
 class Unsendable(Exception):
@@ -102,6 +103,7 @@ class SlotTransport(Protocol):
     owner thread only (and `wake` from any thread)."""
 
     quorum: int  # slots that must be up before the engine's constructor returns
+    startup_bound: bool  # a slot not up within startup_timeout is killed (a start-up failure)
 
     def start(self, slot: int, spec: SessionSpec | None) -> int:
         """Build a new incarnation of `slot` on `spec` (after a death, or its first); its pid
@@ -141,8 +143,9 @@ class SlotTransport(Protocol):
     def memory(self, slot: int) -> tuple[int, int, int]:
         """(RSS, PSS, shared bytes) of its worker now; zeros where not known."""
 
-    def startup_timeout_error(self, timeout: float) -> SessionInitError:
-        """What the engine's constructor raises when not `quorum` slots were up in time."""
+    def startup_timeout_error(self, timeout: float, up: int) -> SessionInitError | None:
+        """What the engine's constructor raises when not `quorum` slots were up in time
+        (`up` were); None: it starts with those."""
 
     def close(self) -> None:
         """After every slot is gone: let go of what is left (the wake-up pipe, views)."""

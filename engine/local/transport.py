@@ -72,6 +72,7 @@ class LocalTransport:
     ) -> None:
         self.cfg, self.inputs, self.outputs, self.ctx, self.boot = cfg, inputs, outputs, ctx, boot
         self.quorum = cfg.workers
+        self.startup_bound = True
         self.workers = [Slot(i) for i in range(cfg.workers)]
         self.selector = SlotSelector()
         for w in self.workers:
@@ -168,7 +169,7 @@ class LocalTransport:
         w = self.workers[slot]
         return worker_memory(w.pid) if w.pid and w.process is not None else (0, 0, 0)
 
-    def startup_timeout_error(self, timeout: float) -> E.SessionInitError:
+    def startup_timeout_error(self, timeout: float, up: int) -> E.SessionInitError | None:
         return E.SessionInitError(f"workers not ready after {timeout} s")
 
     def alive(self, slot: int) -> bool:

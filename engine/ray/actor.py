@@ -1,8 +1,15 @@
 """Inside the actor process (steps 5-7 of the diagram in `engine.ray.backend`): `SlotActor`
-owns one slot's session; what a call returns is `ActorReady` or `ActorDone`, plain data."""
+owns one slot's session; what a call returns is `ActorReady` or `ActorBatch`, plain data.
+
+A call runs one batch, as a local worker does: its tasks one after another (a group), or
+stacked into one session call on axis 0 (a stacked batch, max_batch_size > 1), each task's
+preprocess and postprocess on its own and its error its own; a stacked run that fails runs
+its tasks one by one, so that only the guilty one fails.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -10,9 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import psutil
 import ray
 
 from slabpool.workers import context as task_context
+from slabpool.workers import faults
 from slabpool.workers.errors import ErrorKind
 from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, seed_task
 from slabpool.workers.protocol import FaultSpec, RemoteError, SessionInfo
@@ -30,15 +40,27 @@ class ActorReady:
 
 
 @dataclass(frozen=True)
-class ActorDone:
-    """What one call returns: outputs (arrays go back through the object store) or an error."""
+class CallTask:
+    """One task of a call, besides its inputs (which Ray passes as the call's arguments)."""
 
     task_id: int
     attempt: int
-    outputs: Any
-    error: RemoteError | None
+    seed: int
+    context: dict[str, Any] | None
+    fault: FaultSpec | None
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class ActorBatch:
+    """What one call returns: per task (in order), its outputs (arrays go back through the
+    object store) or its error."""
+
+    outputs: tuple[Any, ...]
+    errors: tuple[RemoteError | None, ...]
     run_s: float
     pid: int
+    rss: int = 0  # measured when worker_memory_limit is set
 
 
 class SlotActor:
@@ -52,10 +74,13 @@ class SlotActor:
         postprocess: Callable[..., Any] | None,
         initializer: Callable[..., Any] | None,
         initargs: tuple[Any, ...],
+        task_timeout: float | None = None,
+        report_rss: bool = False,
     ) -> None:
         self.slot = slot
         self.session: ModelSession | None = None
         self.error: RemoteError | None = None
+        self.task_timeout, self.report_rss = task_timeout, report_rss
         try:  # every failure goes back as data (a raising constructor would be retried for ever)
             if initializer is not None:
                 initializer(*initargs)
@@ -68,19 +93,67 @@ class SlotActor:
         return ActorReady(os.getpid(), ray.get_runtime_context().get_node_id(),
                           self.session.info if self.session else None, self.error)
 
-    def run(self, item: Any, task_id: int, attempt: int, seed: int,
-            ctx: dict[str, Any] | None, fault: FaultSpec | None, step: int = 0) -> ActorDone:
+    def run_batch(self, tasks: list[CallTask], stack: bool, *items: Any) -> ActorBatch:
+        """Steps 5-7 for one batch (Ray resolved each ObjectRef argument: `items` are the inputs)."""
         t0 = time.perf_counter()
-        with task_context.bind(ctx):
+        outs: list[Any] = [None] * len(tasks)
+        errs: list[RemoteError | None] = [None] * len(tasks)
+        done = self._stacked(tasks, items, outs, errs) if stack and len(tasks) > 1 else set()
+        for i, (t, item) in enumerate(zip(tasks, items, strict=True)):
+            if i not in done:
+                outs[i], errs[i] = self._one(t, functools.partial(
+                    self.pipeline, item, timeout=self.task_timeout, fault=t.fault, step=t.step))
+        rss = psutil.Process().memory_info().rss if self.report_rss else 0
+        return ActorBatch(tuple(outs), tuple(errs), time.perf_counter() - t0, os.getpid(), rss)
+
+    def _one(self, t: CallTask, thunk: Callable[[], Any]) -> tuple[Any, RemoteError | None]:
+        """One task's stage(s) with its context bound and its seed drawn; an error is its own."""
+        with task_context.bind(t.context):
             try:
-                seed_task(seed)  # before preprocess, as in the local worker
-                out = self.pipeline(item, fault=fault, step=step)
+                seed_task(t.seed)  # before preprocess, as in the local worker
+                return thunk(), None
             except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-                log.info("task %d failed in %s: %s", task_id, self.pipeline.stage, type(exc).__name__)
-                return self._failed(task_id, attempt, remote_error(exc, error_kind(exc)), t0)
-        return ActorDone(task_id, attempt, out, None, time.perf_counter() - t0, os.getpid())
+                log.info("task %d failed in %s: %s", t.task_id, self.pipeline.stage, type(exc).__name__)
+                return None, remote_error(exc, error_kind(exc))
 
-    @staticmethod
-    def _failed(task_id: int, attempt: int, err: RemoteError, t0: float) -> ActorDone:
-        return ActorDone(task_id, attempt, None, err, time.perf_counter() - t0, os.getpid())
+    def _stacked(self, tasks: list[CallTask], items: tuple[Any, ...], outs: list[Any],
+                 errs: list[RemoteError | None]) -> set[int]:
+        """One session call for the batch's feeds on axis 0; the tasks it ran (none if it failed:
+        they run one by one, each error its own)."""
+        if self.session is None:
+            return set()
+        feeds = [self._one(t, functools.partial(_prepared, self.pipeline, x, t.fault))
+                 for t, x in zip(tasks, items, strict=True)]
+        ok = [i for i, (_, err) in enumerate(feeds) if err is None]
+        try:
+            for i in ok:
+                faults.inject(tasks[i].fault, "run")
+            parts = _split_run(self.pipeline, [feeds[i][0] for i in ok], self.task_timeout)
+        except Exception:  # noqa: BLE001 - find the guilty one: run each on its own
+            log.debug("stacked run failed; running the batch's %d tasks one by one", len(tasks))
+            return set()
+        for i, err in enumerate(f[1] for f in feeds):
+            if err is not None:
+                errs[i] = err
+        for i, part in zip(ok, parts, strict=True):
+            outs[i], errs[i] = self._one(tasks[i], functools.partial(self.pipeline.finish, part, items[i]))
+        return set(range(len(tasks)))
 
+
+def _prepared(pipeline: TaskPipeline, item: Any, fault: FaultSpec | None) -> Any:
+    faults.inject(fault, "preprocess")
+    return pipeline.prepare(item)
+
+
+def _split_run(pipeline: TaskPipeline, feeds: list[dict[str, np.ndarray]], timeout: float | None) -> list[Any]:
+    """Concatenate on axis 0, run once, split the outputs back (each task its rows)."""
+    names = list(feeds[0])
+    counts = [f[names[0]].shape[0] for f in feeds]
+    out = pipeline.run({n: np.concatenate([f[n] for f in feeds]) for n in names}, timeout)
+    total = sum(counts)
+    for name, arr in out.items():
+        if arr.ndim == 0 or arr.shape[0] != total:
+            raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
+    bounds = np.cumsum(counts)[:-1]
+    split = {name: np.split(arr, bounds) for name, arr in out.items()}
+    return [{name: split[name][i] for name in out} for i in range(len(feeds))]

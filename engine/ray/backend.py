@@ -1,30 +1,33 @@
 """The Ray backend: the same `Engine` API, each slot a Ray actor that owns one session.
 
     |================= caller process (Ray driver) ================|===== actor, slot k =====|
-     RayEngine.submit()      ledger thread                             SlotActor.run()
-     1 validate inputs   =>  3 choose a healthy slot with room     =>  5 zero-copy views of
-     2 ray.put(inputs)       4 mark task RUNNING, attempt + 1            the inputs (plasma)
-       (object store)        (task id, attempt) -> in flight           6 preprocess, check,
-       Future  <==========   8 copy outputs out, drop stale        <=     session.run,
-                             9 complete the Future once                   postprocess
-
+     RayEngine.submit()      owner thread                              SlotActor.run_batch()
+     1 validate inputs   =>  3 choose a slot with room, idle first =>  5 zero-copy views of
+     2 ray.put(inputs)       4 mark tasks RUNNING, attempt + 1;        the inputs (plasma)
+       (object store)        a batch is one actor call               6 preprocess, check,
+       Future  <==========   8 copy outputs out (the transport)   <=     session.run (stacked
+                             9 complete the Future once                  or one by one),
+                                                                         postprocess
      crash path: a call fails with RayActorError (the actor process died, or its node)
-       a  slot k -> DEAD; wait until every call it held has resolved
+       a  the transport waits until every call it held has resolved, then says Died
+          (the first of them was running); slot k -> DEAD
        b  Ray restarts the actor (max_restarts=-1), anywhere it fits; a ready() ping
           takes slot k STARTING -> READY (backoff while Ray still restarts it)
-       c  its failed tasks go back to the queue, ahead of new work, same task id; any
-          healthy slot may run them (Ray's own retries are off: max_task_retries=0)
-       d  the task that was running when max_attempts actors died -> PoisonTask
+       c  its tasks replay in acceptance order, ahead of new work, same task id; any slot
+          may run them (Ray's own retries are off: max_task_retries=0)
+       d  who is charged is engine.core.recovery's, as locally: a task charged max_attempts
+          times -> PoisonTask
 
-Ray gives at-least-once execution and each ObjectRef resolves once; the ledger turns that
-into exactly-once delivery: a completion whose (task id, attempt) is not the one in flight
-is dropped. Admission (block / reject / drop_oldest, deadlines, cancel while queued) is the
-local engine's `TaskQueue`; errors are the same `slabpool.workers.errors`.
+The owner is the local engine's, unchanged (engine.core.coordinator: dispatch, timers,
+settlement, replay, quarantine, retire, reload); only the transport differs
+(`transport.RayTransport`: actors, calls, pings). Ray gives at-least-once execution; the owner
+turns that into exactly-once delivery: a Done for a batch that is not the slot's running one
+is dropped, and a replay is a new batch. Admission is the local engine's `TaskQueue`; errors
+are the same `slabpool.workers.errors`.
 
-Actors, module by module: `RayEngine` here (the caller's API: steps 1-2), `ledger._Ledger`
-(one thread, the only one that touches slots and running tasks: steps 3-4, 8-9 and a-d; it
-sleeps on one inbox that Ray's completion callbacks and callers feed), `actor.SlotActor`
-(inside the actor process: steps 5-7; `slabpool.workers.session.load_session` builds its session).
+Module by module: `RayEngine` here (the caller's API: steps 1-2), `transport.RayTransport`
+(the slot transport), `actor.SlotActor` (inside the actor process: steps 5-7;
+`slabpool.workers.session.load_session` builds its session).
 """
 
 from __future__ import annotations
@@ -45,20 +48,26 @@ from slabpool.engine.caller.base import BaseEngine, TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
+from slabpool.engine.core.coordinator import Coordinator
 from slabpool.engine.core.metrics import Metrics
+from slabpool.engine.core.reload import ReloadPlan
+from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
-from slabpool.engine.ray.ledger import RayTask, _Ledger, _RaySlot
-from slabpool.engine.ray.reload import RayReload
+from slabpool.engine.ray.transport import RayTransport
+from slabpool.workers import packing
 from slabpool.workers.protocol import SessionInfo
 
 log = logging.getLogger("slabpool.engine.ray")
 
-_UNSUPPORTED = {  # settings of the local engine that the Ray backend does not implement (yet)
-    "max_batch_size": 1, "task_timeout": None, "max_tasks_per_worker": None, "worker_memory_limit": None,
-}  # fmt: skip
-_IGNORED = ("start_method", "shm_capacity", "shm_backend")  # process and shared-memory details
+# settings of the local engine that mean nothing on Ray, and why: refused by name when given
+_NOT_ON_RAY = {
+    "start_method": "an actor is started by Ray, not by multiprocessing",
+    "shm_capacity": "inputs and outputs travel through Ray's object store, not shared-memory arenas",
+    "shm_backend": "inputs and outputs travel through Ray's object store, not shared-memory arenas",
+    "in_place_min_bytes": "outputs come back through Ray's object store: no output region to write in place",
+}
 
 
 class RayEngine(BaseEngine):
@@ -70,7 +79,7 @@ class RayEngine(BaseEngine):
     slot index returning one, merged into `.options()`: scheduling_strategy, resources, ...).
     """
 
-    _reload_plan = RayReload  # a new actor next to the old one, swapped in once it is up
+    _reload_plan = ReloadPlan  # a slot's actor is replaced by a new one on the new model
 
     def __init__(
         self,
@@ -102,10 +111,12 @@ class RayEngine(BaseEngine):
             ray.init(**init)
         # nothing the ledger thread keeps may refer to the engine (a dropped one is collected,
         # and its finalizer stops the actors): no bound methods of it, a weak reference
-        self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, _no_wake)
+        self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, _no_wake,
+                                self.config.queue_bytes)
         self._metrics = Metrics()
         try:
-            self._ledger = _Ledger(self.config, self._queue, self._metrics, cpus_per_slot, actor_options)
+            transport = RayTransport(self.config, cpus_per_slot, actor_options)
+            self._ledger = Coordinator(self.config, self._queue, self._metrics, transport, "slabpool-ray-owner")
             self._queue.set_wake(self._ledger.wake)
             self._owner = self._ledger
             self._ledger.on_stopped = functools.partial(_on_stopped, weakref.ref(self))  # every actor killed
@@ -119,25 +130,28 @@ class RayEngine(BaseEngine):
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
     def _enqueue(self, request: Request, admitted: Admitted) -> TaskFuture:
-        """Step 2: the inputs go into Ray's object store, then the task into the queue."""
+        """Step 2: the inputs go into Ray's object store, then the task into the queue (their
+        bytes count against queue_bytes, as locally)."""
         block_timeout = request.block_timeout
         item, shape_key, items = admitted
-        for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None):
+        nbytes = sum(a.nbytes for a in packing.split(item)[1])
+        for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
+                                       nbytes):
             self._end_queued(old, superseded_error(old))
         try:
             t0 = time.perf_counter()
             ref = ray.put(item)  # step 2: arrays go out of band; the caller may reuse its arrays
             put_s = time.perf_counter() - t0
         except BaseException:
-            self._queue.unreserve()
+            self._queue.unreserve(nbytes)
             raise
         fut = TaskFuture(self._weak)
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return RayTask(task_id, fut, None, shape_key, items, request.context,
-                           self._seed(task_id), abs_deadline, request.fault, copy_in_s=put_s, ref=ref,
-                           units=request.units, step=request.step)
+            return Task(task_id, fut, ref, shape_key, items, request.context, self._seed(task_id),
+                        abs_deadline, request.fault, copy_in_s=put_s, nbytes=nbytes, units=request.units,
+                        step=request.step)
 
         task = self._queue.accept(make)
         fut.slabpool_task = task
@@ -145,8 +159,7 @@ class RayEngine(BaseEngine):
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         self._cancel_queued(task)
-        if isinstance(task, RayTask):
-            task.ref = None
+        task.inputs = None  # the object store may free the inputs now
         if error is not None:
             task.future.set_exception(error)
 
@@ -174,7 +187,7 @@ class RayEngine(BaseEngine):
 
     def placement(self) -> list[tuple[int, str, int]]:
         """(slot, Ray node id, actor pid) of each slot's current incarnation."""
-        return [(s.index, s.node_id, s.pid) for s in self._ledger.slots]
+        return [(s.index, s.node, s.pid) for s in self._ledger.slots]
 
     def __repr__(self) -> str:
         slots = self._ledger.slots
@@ -185,21 +198,19 @@ class RayEngine(BaseEngine):
 
 
 def _check_supported(cfg: EngineConfig, given: frozenset[str]) -> None:
-    for name, default in _UNSUPPORTED.items():
-        if getattr(cfg, name) != default:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} is not supported by the Ray backend (yet)")
-    for name in _IGNORED:
+    """A setting that means nothing on Ray is refused by name, with the reason, when given."""
+    for name, why in _NOT_ON_RAY.items():
         if name in given:
-            log.debug("%s has no meaning on the Ray backend; ignored", name)
+            raise ValueError(f"{name}={getattr(cfg, name)!r} does not apply to the Ray backend: {why}")
 
 
-def _slot_stats(s: _RaySlot) -> SlotStats:
+def _slot_stats(s: SlotRecord) -> SlotStats:
     info = s.info
     return SlotStats(
         s.index, s.pid, s.state.name, s.tasks_done, s.restarts,
         info.runtime if info else "", info.runtime_version if info else "",
         info.requested if info else (), info.applied if info else (),
-        info.degraded if info else False, info.model_digest if info else "", 0,
+        info.degraded if info else False, info.model_digest if info else "", s.rss,
     )
 
 
@@ -215,7 +226,7 @@ def _on_stopped(ref: weakref.ReferenceType[RayEngine]) -> None:
         engine._mark_closed()
 
 
-def _emergency_stop(ledger: _Ledger, owns_ray: bool) -> None:
+def _emergency_stop(ledger: Coordinator, owns_ray: bool) -> None:
     """The engine was dropped without close(): kill the actors rather than leak them (and shut
     down the Ray it started)."""
     if not ledger.join(0):

@@ -14,7 +14,7 @@ def slot_request(
     cpus_per_slot: float, actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None,
 ) -> dict[str, float]:
     """The resources one slot's actor asks of Ray (num_cpus, num_gpus, memory, resources), as
-    `_Ledger.new_actor` merges them (slot 0's, when `actor_options` is a function)."""
+    `RayTransport._new_actor` merges them (slot 0's, when `actor_options` is a function)."""
     extra = dict((actor_options(0) if callable(actor_options) else actor_options) or {})
     want = {"CPU": float(extra.get("num_cpus", cpus_per_slot)), "GPU": float(extra.get("num_gpus") or 0),
             "memory": float(extra.get("memory") or 0),
