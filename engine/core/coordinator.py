@@ -156,7 +156,6 @@ class Coordinator:
                 self._on_ready(ev)
             else:
                 self._on_died(ev)  # type: ignore[arg-type]
-        now = time.monotonic()
         self.ledger.expire(now)
         self.watchdog.run(now)
         self.dispatcher.dispatch(now)
@@ -268,7 +267,10 @@ class Coordinator:
     # -- the ledger's hooks ---------------------------------------------------------------------------
 
     def _release(self, task: Task) -> None:
-        self.dispatcher.release(task)
+        """A task ended: its inputs go back now, unless a batch in a slot still holds it (they
+        go back with the batch, Dispatcher.end_batch)."""
+        if task.in_batch is None:
+            self.transport.release((task,))
 
     def _kill_running(self, task: Task) -> None:
         self.dispatcher.kill_running(task)

@@ -41,22 +41,23 @@ class Dispatcher:
         self.batch_ready_at = None
         depth = self.cfg.inflight_per_slot
         wait_s = self.cfg.max_batch_wait_ms / 1000.0
+        room = self.transport.room()  # (sizes are learnt from completions, not while dispatching)
         while True:
             open_slots = [s for s in self.slots if s.state.can_take and len(s.batches) < depth]
             if not open_slots:
                 self.queue.hungry = False  # new tasks wait for a completion, which dispatches
                 return
             slot = min(open_slots, key=lambda s: len(s.batches))  # step 3: idle slots first
-            budget = dispatch.task_budget(self.cfg, slot.incarnation_done, slot.held, False)
+            budget = dispatch.task_budget(self.cfg, slot.incarnation_done, sum(len(b.tasks) for b in slot.batches),
+                                          False)
             if budget == 0:  # recycled after what it holds: no more work for this incarnation
                 slot.fire(SlotEvent.RETIRE)
                 self.retire_if_due(slot)
                 continue
             live = sum(s.state.can_take for s in self.slots)  # the queue is shared by every slot,
             # not only those open right now: a group sized for one open slot would starve the rest
-            room = self.transport.room()
             lim = dispatch.take_limits(
-                self.cfg, budget=min(budget, room.max_tasks), task_s=self.task_s, out_per_task=room.per_task,
+                self.cfg, budget=budget if budget <= room.max_tasks else room.max_tasks, task_s=self.task_s, out_per_task=room.per_task,
                 out_per_item=room.per_item, capacity=room.capacity, busy=bool(slot.batches), live_slots=live)
             got = self.queue.take(lim.max_items, wait_s, now, live, lim.max_tasks, lim.min_tasks)
             if got is None:
@@ -132,12 +133,11 @@ class Dispatcher:
         self.task_s = per_task if self.task_s is None else 0.9 * self.task_s + 0.1 * per_task
         finish, version, pid = self.ledger.finish, slot.model_version, ev.pid or slot.pid
         split: list[Task] = []
-        for o in ev.outcomes:
+        for o in ev.outcomes:  # (a task cancelled meanwhile ends once: finish() drops the rest)
             task = o.task
-            if task.state.is_terminal:
-                continue  # cancelled meanwhile: its result is dropped
             if o.split:
-                split.append(task)
+                if not task.state.is_terminal:
+                    split.append(task)
             elif o.error is not None:
                 finish(task, error=o.error)
             else:  # step 9
@@ -197,9 +197,3 @@ class Dispatcher:
             if slot.batches and task in slot.batches[0].tasks:
                 self._kill(slot, KillReason.CANCEL, 0.5)
                 return
-
-    def release(self, task: Task) -> None:
-        """The ledger's: a task ended. Its inputs go back now, unless a batch in a slot still
-        holds it (they go back with the batch, end_batch)."""
-        if task.in_batch is None:
-            self.transport.release((task,))

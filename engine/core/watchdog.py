@@ -63,11 +63,13 @@ class Watchdog:
         self._kill, self._respawn = kill, respawn
 
     def _limits(self, slot: SlotRecord) -> tuple[float | None, float | None]:
-        if not slot.batches:
+        """(time limit, stall time) of a slot that holds batches."""
+        if self.cfg.task_timeout is not None:
+            hand = self.transport.in_hand(slot.index)
+            return time_limit(self.cfg, slot, hand), stall_at(self.cfg, slot, hand.waiting)
+        if slot.state is not SlotState.BUSY:
             return None, None
-        hand = self.transport.in_hand(slot.index) if self.cfg.task_timeout is not None else None
-        waiting = hand.waiting if hand is not None else self.transport.waiting(slot.index)
-        return time_limit(self.cfg, slot, hand), stall_at(self.cfg, slot, waiting)
+        return None, stall_at(self.cfg, slot, self.transport.waiting(slot.index))
 
     def next_timer(self, now: float, *others: float | None) -> float | None:
         """Seconds to the next timer due (None: none runs)."""
@@ -77,7 +79,12 @@ class Watchdog:
                 due.append(s.respawn_at)
             if s.state is SlotState.STARTING and s.ready_by is not None:
                 due.append(s.ready_by)
-            due += [t for t in self._limits(s) if t is not None]
+            if s.batches:
+                limit, stall = self._limits(s)
+                if limit is not None:
+                    due.append(limit)
+                if stall is not None:
+                    due.append(stall)
         return max(min(due) - now, 0.0) if due else None
 
     def run(self, now: float) -> None:
@@ -85,7 +92,7 @@ class Watchdog:
             if slot.state is SlotState.STARTING and slot.ready_by is not None and now >= slot.ready_by:
                 slot.ready_by = None
                 self._kill(slot, KillReason.STARTUP_FAILED, 0.5)  # its death is a start-up failure
-            limit, stall = self._limits(slot)
+            limit, stall = self._limits(slot) if slot.batches else (None, None)
             if limit is not None and now >= limit:
                 self._kill(slot, KillReason.TIMEOUT, 0.5)
             elif stall is not None and now >= stall:
