@@ -14,7 +14,7 @@ from slabpool.engine.core.config import resolve
 from slabpool.engine.core.ledger import Closing, TaskLedger
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.owner import OwnerThread
-from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.states import SlotEvent, SlotState, TaskState, slot_move
 from slabpool.engine.core.task import Task
 from slabpool.workers.errors import EngineClosed, EngineInternalError, TaskCancelled, TaskTimeout
 
@@ -56,6 +56,40 @@ def test_a_busy_slot_is_sent_only_a_group_worth_its_message(models) -> None:  # 
     assert dispatch.take_limits(cfg(models), task_s=1e-5, busy=True, **kw).min_tasks == MIN_GROUP * 2
     assert dispatch.take_limits(cfg(models), task_s=1e-5, busy=False, **kw).min_tasks == 1
     assert dispatch.take_limits(cfg(models), task_s=0.01, busy=True, **kw).min_tasks == 1  # slow tasks
+
+
+# -- slot states ---------------------------------------------------------------------------------
+
+
+def test_a_slot_moves_only_by_its_table() -> None:
+    """One (state, event) -> state table (h11's _state.py): retiring, stalled and exiting are
+    states of it, not flags beside it; an event the table does not hold is a bug."""
+    path = [(SlotEvent.START, SlotState.STARTING), (SlotEvent.UP, SlotState.READY), (SlotEvent.TAKE, SlotState.BUSY),
+            (SlotEvent.STALL, SlotState.STALLED), (SlotEvent.PROGRESS, SlotState.BUSY),
+            (SlotEvent.RETIRE, SlotState.RETIRING), (SlotEvent.EXIT, SlotState.EXITING), (SlotEvent.DIE, SlotState.DEAD),
+            (SlotEvent.START, SlotState.STARTING), (SlotEvent.STOP, SlotState.STOPPED)]
+    state = SlotState.NEW
+    for event, want in path:
+        state = slot_move(state, event)
+        assert state is want
+    for state, event in [(SlotState.STALLED, SlotEvent.TAKE), (SlotState.RETIRING, SlotEvent.TAKE),
+                         (SlotState.STOPPED, SlotEvent.START), (SlotState.DEAD, SlotEvent.UP)]:
+        with pytest.raises(EngineInternalError, match=f"illegal slot event {event.name} in state {state.name}"):
+            slot_move(state, event)
+    assert {s for s in SlotState if s.can_take} == {SlotState.READY, SlotState.BUSY}
+
+
+def test_no_engine_module_moves_a_slot_past_the_table() -> None:
+    """`slot.state = SlotState.X` anywhere (but a new slot's NEW) would be a move the table
+    cannot see: the table's own `fire` assigns what `slot_move` returns."""
+    import re
+    from pathlib import Path
+
+    engine = Path(__file__).resolve().parent.parent / "engine"
+    moves = [f"{p.relative_to(engine)}:{i}" for p in sorted(engine.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\.state\s*=\s*(SlotState|_S)\.(?!NEW\b)", line)]  # (NEW: where each begins)
+    assert not moves, moves
 
 
 # -- the owner thread ------------------------------------------------------------------------------

@@ -636,6 +636,29 @@ def test_batching_and_the_byte_bound_hold_on_both_backends(backend: str, models:
     assert st.stacked_batches >= 1 and st.failed == 0
 
 
+def test_a_stalled_slot_hands_on_what_it_was_sent_on_both_backends(
+    backend: str, models: SimpleNamespace, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """stall_after is the owner's watchdog on both backends: a slot whose running task makes
+    no progress gets no more work, and what was sent ahead to it runs on the other slot
+    (locally on copies of its inputs; on Ray the stalled call's answer is dropped)."""
+    if backend == DELEGATED:
+        return
+    gate = tmp_path / "gate"
+    with caplog.at_level("WARNING", logger="slabpool.engine"), \
+            build(backend, models.mlp, preprocess=HOOK, stall_after=1.0, inflight_per_slot=2) as eng:
+        held = eng.submit({"x": rows(0), "gate": str(gate)})
+        others = [eng.submit({"x": rows(i)}) for i in range(1, 7)]  # some sent ahead behind it
+        results = [f.result(30) for f in others]  # (behind it, they would wait for the gate: 60 s)
+        assert not held.done()
+        gate.touch()
+        assert_mlp(held.result(60).outputs, rows(0))
+        st = eng.stats()
+    for i, res in enumerate(results, 1):
+        assert_mlp(res.outputs, rows(i))
+    assert "has made no progress for" in caplog.text and (st.completed, st.failed) == (7, 0)
+
+
 # -- Ray only -----------------------------------------------------------------------------------
 
 
