@@ -621,8 +621,10 @@ def test_batching_and_the_byte_bound_hold_on_both_backends(backend: str, models:
     big = np.zeros((6000, 16), np.float32)  # 384 KB
     with build(backend, models.mlp, preprocess=HOOK, max_batch_size=4, inflight_per_slot=1,
                admission="reject", queue_bytes=600_000) as eng:
-        held = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(2)]
-        wait_until(lambda: eng.stats().queued == 0)  # one on each slot
+        held = []
+        for i in range(2):  # one on each slot (submitted together, they would run stacked on one)
+            held.append(eng.submit({"x": rows(i), "gate": str(gate)}))
+            wait_until(lambda: eng.stats().queued == 0)
         waiting = eng.submit({"x": big})
         with pytest.raises(E.QueueFull, match="bytes waiting"):
             eng.submit({"x": big})
