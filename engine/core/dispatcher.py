@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from slabpool.engine.core import dispatch
-from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.admission import Counter, TaskQueue
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.ledger import TaskLedger
 from slabpool.engine.core.slots import SlotRecord
@@ -81,7 +81,7 @@ class Dispatcher:
             return
         slot.batches.append(batch)
         if batch.stack:
-            self.ledger.count("stacked_batches")
+            self.ledger.count(Counter.STACKED_BATCHES)
         if slot.state is SlotState.READY:
             slot.fire(SlotEvent.TAKE)
         if len(slot.batches) == 1:
@@ -143,7 +143,7 @@ class Dispatcher:
             else:  # step 9
                 finish(task, result=task.result(o.outputs, version, slot.index, pid, per_task, o.copy_s, now))
         if ev.in_place:
-            self.ledger.count("outputs_in_place", ev.in_place)
+            self.ledger.count(Counter.OUTPUTS_IN_PLACE, ev.in_place)
         if split:
             self._requeue_apart(batch, split)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from slabpool.engine.core.admission import TaskQueue
+from slabpool.engine.core.admission import Counter, TaskQueue
 from slabpool.engine.core.states import TaskState
 from slabpool.engine.core.task import Result, Task
 from slabpool.workers import errors
@@ -48,7 +48,7 @@ class TaskLedger:
         self.closing: Closing | None = None
         self.failure: BaseException | None = None
         self._completions: list[tuple[Future[Result], Result | None, BaseException | None]] = []
-        self._due: dict[str, int] = {}  # counts not yet published (see count)
+        self._due: dict[Counter, int] = {}  # counts not yet published (see count)
         # every task dispatched and not yet ended, wherever it is (a slot, the replay queue, or
         # a local variable of a step): an engine that fails ends each of them, none is lost
         self._unfinished: dict[int, Task] = {}
@@ -68,8 +68,8 @@ class TaskLedger:
             self._unfinished[task.id] = task
             return True
         task.move(TaskState.CANCELLED)
-        self.count("cancelled")
-        self.count("items_cancelled", task.units)
+        self.count(Counter.CANCELLED)
+        self.count(Counter.ITEMS_CANCELLED, task.units)
         self._release(task)
         return False
 
@@ -78,24 +78,24 @@ class TaskLedger:
         if task.state.is_terminal:
             return
         if error is None:
-            new, counter = TaskState.DONE, "completed"
+            new, counter, items = TaskState.DONE, Counter.COMPLETED, Counter.ITEMS_COMPLETED
         elif isinstance(error, errors.TaskCancelled):
-            new, counter = TaskState.CANCELLED, "cancelled"
+            new, counter, items = TaskState.CANCELLED, Counter.CANCELLED, Counter.ITEMS_CANCELLED
         else:
-            new, counter = TaskState.FAILED, "failed"
+            new, counter, items = TaskState.FAILED, Counter.FAILED, Counter.ITEMS_FAILED
         task.move(new)
         self._unfinished.pop(task.id, None)
         self.count(counter)
         if task.units:
-            self.count("items_" + counter, task.units)
+            self.count(items, task.units)
         if result is not None:
             self.metrics.observe(result.timings)  # only what is really delivered
         if isinstance(error, errors.TaskTimeout):
-            self.count("timeouts")
+            self.count(Counter.TIMEOUTS)
         self._release(task)
         self._completions.append((task.future, result, error))
 
-    def count(self, counter: str, n: int = 1) -> None:
+    def count(self, counter: Counter, n: int = 1) -> None:
         """Count now, publish in flush(): one lock per step, before the Futures complete."""
         self._due[counter] = self._due.get(counter, 0) + n
 
@@ -105,7 +105,7 @@ class TaskLedger:
             counters, due, self._due = self.queue.counters, self._due, {}
             with self.queue.lock:
                 for counter, n in due.items():
-                    setattr(counters, counter, getattr(counters, counter) + n)
+                    counters.add(counter, n)
         done, self._completions = self._completions, []
         for fut, result, error in done:
             try:
@@ -156,7 +156,7 @@ class TaskLedger:
         """A task charged with max_attempts deaths: PoisonTask, never retried again."""
         crashes = ", ".join(f"slot {c.slot} pid {c.pid}" + (f" {c.signal}" if c.exitcode is not None else "")
                             for c in task.crashes)
-        self.count("quarantined")
+        self.count(Counter.QUARANTINED)
         error = errors.PoisonTask(
             f"task {task.id} was in hand when {len(task.crashes)} workers died ({crashes}); "
             "quarantined, not retried again", task_id=task.id, crashes=tuple(task.crashes))
