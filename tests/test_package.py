@@ -82,11 +82,6 @@ def test_no_engine_module_is_longer_than_500_lines() -> None:
     assert not long, long
 
 
-# The caller's surface still joins mixins (issue 20 item 6, the public submit() surface: not
-# the owner's); every other class of engine/ has at most one base that is not an exception's.
-MIXED = {"engine/caller/base.py:BaseEngine"}
-
-
 def test_no_engine_class_is_split_across_bases() -> None:
     """A class made of several bases (`A(B, C)`, B calling what only A defines) is one object
     split across files: the owner holds its parts instead (engine.core.coordinator). Only an
@@ -98,7 +93,7 @@ def test_no_engine_class_is_split_across_bases() -> None:
                 names = [ast.unparse(b) for b in node.bases]
                 if not any(n.endswith(("Error", "Exception")) for n in names):
                     found.add(f"{path.relative_to(REPO)}:{node.name}")
-    assert found == MIXED, sorted(found - MIXED)
+    assert not found, sorted(found)
 
 
 def test_the_subpackages_are_the_root_folders() -> None:

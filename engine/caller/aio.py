@@ -31,12 +31,11 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
-    from slabpool.engine.caller.request import Outputs
     from slabpool.engine.core.config import EngineConfig
     from slabpool.engine.core.task import Result
 
@@ -64,93 +63,55 @@ class _Host(Protocol):
     def close(self, *, cancel_pending: bool = ..., timeout: float | None = ...) -> None: ...
 
 
-class AsyncEngineMixin:
-    """Async methods of `Engine`: infer_async, submit_async, map_async, `async with`.
+async def submit_async(
+    eng: _Host,
+    inputs: Any,
+    context: dict[str, Any] | None,
+    deadline: float | None,
+    block_timeout: float | None,
+) -> Result:
+    """`BaseEngine.submit_async()`: admit without blocking the loop, then await the task
+    (cancelling the awaiting coroutine cancels it)."""
+    loop = asyncio.get_running_loop()
+    fut = await _admit(eng, loop, inputs, context, deadline, block_timeout)
+    return await _await_task(eng, loop, fut)
 
-        async with Engine("model.onnx", workers=4) as eng:
-            y = await eng.infer_async({"x": batch})
-            async for res in eng.map_async(items, window=16): ...
-    """
 
-    async def submit_async(
-        self: _Host,
-        inputs: Any,
-        *,
-        context: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        block_timeout: float | None = None,
-    ) -> Result:
-        """Accept one task and await its `Result`; the same arguments and errors as `submit`.
-
-        Cancelling the awaiting coroutine cancels the task: queued, it never runs; running, it
-        ends with TaskCancelled and its result is never delivered."""
-        loop = asyncio.get_running_loop()
-        fut = await _admit(self, loop, inputs, context, deadline, block_timeout)
-        return await _await_task(self, loop, fut)
-
-    async def infer_async(self: _Host, inputs: Any, **kw: Any) -> Outputs:
-        """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
-        what it returned)."""
-        result = await AsyncEngineMixin.submit_async(self, inputs, **kw)
-        outputs: Outputs = result.outputs
-        return outputs
-
-    @overload
-    def map_async(
-        self: _Host, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
-        return_exceptions: Literal[False] = ..., context: dict[str, Any] | None = ...,
-    ) -> AsyncIterator[Result]: ...
-
-    @overload
-    def map_async(
-        self: _Host, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
-        return_exceptions: bool, context: dict[str, Any] | None = ...,
-    ) -> AsyncIterator[Result | BaseException]: ...
-
-    async def map_async(
-        self: _Host,
-        items: AsyncIterable[Any] | Iterable[Any],
-        *,
-        window: int | None = None,
-        return_exceptions: bool = False,
-        context: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Result | BaseException]:
-        """Results in submission order, at most `window` tasks accepted and not yet yielded.
-
-        `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
-        consumer) or a plain iterable (its `next()` runs on the loop thread: keep it cheap). A
-        failed task raises at its position, unless `return_exceptions` yields the error. Each
-        Result's `index` (an error's `.index`) is its item's position in `items`. When
-        the consumer stops early (break, cancellation, an error), every task still in flight
-        is cancelled with the receipts of `submit_async`."""
-        cfg = self.config
-        window = window or cfg.queue_capacity + cfg.workers * cfg.inflight_per_slot
-        loop = asyncio.get_running_loop()
-        held: deque[tuple[Future[Result], asyncio.Future[Result], int]] = deque()
-        try:
-            async for index, item in _enumerate(_aiter(items)):
-                fut = await _admit(self, loop, item, context, None, None)
-                held.append((fut, _bridge(loop, fut), index))
-                if len(held) >= window:
-                    yield await _head(held, return_exceptions)
-            while held:
+async def map_async(
+    eng: _Host,
+    items: AsyncIterable[Any] | Iterable[Any],
+    window: int | None,
+    return_exceptions: bool,
+    context: dict[str, Any] | None,
+) -> AsyncIterator[Result | BaseException]:
+    """`BaseEngine.map_async()`: at most `window` tasks accepted and not yet yielded; what is
+    still in flight when the consumer stops is cancelled."""
+    cfg = eng.config
+    window = window or cfg.queue_capacity + cfg.workers * cfg.inflight_per_slot
+    loop = asyncio.get_running_loop()
+    held: deque[tuple[Future[Result], asyncio.Future[Result], int]] = deque()
+    try:
+        async for index, item in _enumerate(_aiter(items)):
+            fut = await _admit(eng, loop, item, context, None, None)
+            held.append((fut, _bridge(loop, fut), index))
+            if len(held) >= window:
                 yield await _head(held, return_exceptions)
-        finally:
-            for fut, waiter, _ in held:
-                if waiter.done() and not waiter.cancelled():
-                    waiter.exception()  # retrieved: an error nobody will see is not logged
-                waiter.cancel()
-                _cancel_task(self, fut)
+        while held:
+            yield await _head(held, return_exceptions)
+    finally:
+        for fut, waiter, _ in held:
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # retrieved: an error nobody will see is not logged
+            waiter.cancel()
+            _cancel_task(eng, fut)
 
-    async def __aenter__(self) -> Self:
-        return self
 
-    async def __aexit__(self: _Host, exc_type: Any, *_: Any) -> None:
-        """close() on a thread of its own (it waits for the drain); cancel what is queued when
-        the block raised. Cancelled while closing: the close goes on, the caller moves on."""
-        closing = _spawn(functools.partial(self.close, cancel_pending=exc_type is not None))
-        closing.add_done_callback(lambda _: _stop_lanes(self))
-        await asyncio.wrap_future(closing)
+async def close_async(eng: _Host, cancel_pending: bool) -> None:
+    """`async with`'s exit: close() on a thread of its own (it waits for the drain), the lanes
+    stopped after it. Cancelled while closing: the close goes on, the caller moves on."""
+    closing = _spawn(functools.partial(eng.close, cancel_pending=cancel_pending))
+    closing.add_done_callback(lambda _: _stop_lanes(eng))
+    await asyncio.wrap_future(closing)
 
 
 # -- admission (A) ------------------------------------------------------------------------------

@@ -16,14 +16,13 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Literal, Self, overload
 
-from slabpool.engine.caller import blocks, faults
-from slabpool.engine.caller.aio import AsyncEngineMixin
-from slabpool.engine.caller.calls import CheckedConstructor, public
-from slabpool.engine.caller.mapping import MapMixin
+from slabpool.engine.caller import aio, blocks, faults, mapping
+from slabpool.engine.caller.calls import InitSignature, check_constructor, not_a_function, public
+from slabpool.engine.caller.handles import Owner, TaskFuture, applier
 from slabpool.engine.caller.request import Admitted, Outputs, Request
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
@@ -35,36 +34,14 @@ from slabpool.engine.core.task import Result, Task
 from slabpool.workers import contract
 from slabpool.workers import errors as E
 from slabpool.workers.protocol import SessionInfo, TensorSpec
-from slabpool.workers.session import SessionSpec, detect_backend, model_digest
+from slabpool.workers.session import detect_backend, model_digest
 
 log = logging.getLogger("slabpool.engine")
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
 
-class Owner(Protocol):
-    """What the caller's side asks of a backend's owner (engine.core.coordinator.Coordinator):
-    its thread's calls, and the ledger's cancel and close."""
-
-    @property
-    def on_thread(self) -> bool: ...
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
-
-    def join(self, timeout: float | None) -> bool: ...
-
-    def close(self, cancel_pending: bool) -> None: ...
-
-    def cancel(self, task: Task, kill: bool) -> bool: ...
-
-    def abort(self, reason: str) -> None: ...
-
-    def model_spec(self) -> SessionSpec | None: ...
-
-    def start_reload(self, plan: Any) -> None: ...  # the backend's own `_reload_plan`
-
-
-class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
+class BaseEngine:
     """The caller's API, shared by every backend: `Engine` (local worker processes) and
     `RayEngine` (Ray actors). The constructor is here, once: every setting is a typed
     keyword-only parameter with its default, validated by `engine.core.config.resolve`."""
@@ -79,6 +56,14 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
     _close_lock: threading.Lock
     _metrics: Metrics
     _owner: Owner  # the backend's owner thread (engine.core.owner) with its task ledger
+
+    __signature__ = InitSignature()  # help(Engine), inspect.signature(Engine): __init__'s, not __new__'s
+
+    def __new__(cls, *args: Any, **kw: Any) -> Self:
+        """The call checked before __init__ starts anything ("Engine() got an unexpected setting
+        'max_workers'; did you mean 'workers'?")."""
+        check_constructor(cls, args, kw)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -293,40 +278,112 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
         unknown = set(kw) - {"context", "block_timeout"}
         if unknown:
             raise TypeError(f"infer(batch_size=...) takes context and block_timeout, not {sorted(unknown)}")
-        return self._infer_rows(inputs, batch_size, kw.get("context"), kw.get("block_timeout"))
-
-    def _infer_rows(self, inputs: Any, batch_size: int | str, context: dict[str, Any] | None,
-                    block_timeout: float | None) -> Outputs:
-        arrays, n = blocks.rows_of(inputs)
-        self._check_blockable(arrays)
-        window = self.config.workers * max(self.config.inflight_per_slot, 2)
-        hooks = self.config.preprocess is not None or self.config.postprocess is not None
-        sizer = blocks.BlockSizer(batch_size, blocks.row_bytes(arrays), self.config.shm_capacity, window,
-                                  self.config.task_timeout, group=not hooks)
-        if n == 0:
-            empty: Outputs = self.submit(inputs, context=context, block_timeout=block_timeout).result().outputs
-            return empty
-
-        def submit(lo: int, hi: int, step: int) -> Future[Result]:
-            # a block counts no items (its rows are counted here), `step` rows a session call
-            return self._submit(Request(blocks.slice_rows(arrays, lo, hi), context, None, block_timeout, 0, step))
-
-        self._tally(accepted=n)
-        return blocks.gather(blocks.run_blocks(submit, [(0, n)], sizer, window), n, self._tally)
-
-    def _check_blockable(self, arrays: dict[str, Any]) -> None:
-        """Rows can go in blocks when every model input has a dynamic axis 0 (or a preprocess
-        takes the block); the contract is checked here, once, for every block."""
-        if self.config.preprocess is not None or not self._specs:
-            return
-        fixed = [s for s in self._specs if not s.shape or s.shape[0] is not None]
-        if fixed:
-            raise ValueError(f"infer(batch_size=...): input {fixed[0].name!r} has shape {fixed[0].shape}, not a "
-                             "dynamic axis 0; rows of this model cannot go in blocks")
-        self._admit(blocks.slice_rows(arrays, 0, 0))  # InputContractError here, not per block
+        return blocks.infer_rows(self, self._specs, inputs, batch_size, kw.get("context"), kw.get("block_timeout"))
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         raise NotImplementedError
+
+    # -- map() and the asyncio front end (engine.caller.mapping, engine.caller.aio) ------------
+
+    @overload
+    def map(
+        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: Literal[False] = ...,
+        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
+    ) -> Generator[Result, None, None]: ...
+
+    @overload
+    def map(
+        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: bool,
+        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
+    ) -> Generator[Result | BaseException, None, None]: ...
+
+    @public
+    def map(
+        self, items: Iterable[Any], *, window: int | None = None, return_exceptions: bool = False,
+        context: dict[str, Any] | None = None, chunk: int | None = None, ordered: bool = True,
+    ) -> Generator[Result | BaseException, None, None]:
+        """Results in submission order, at most `window` items in flight (memory stays bounded).
+        `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
+        items of one chunk still come together, in their order). Either way each Result's
+        `index` is its item's position in `items` (0-based), whatever chunk, replay or
+        item-by-item rerun computed it, and a yielded error (`return_exceptions`) carries it
+        as `.index` too; `context` is on every Result.
+
+        A failed item raises at its position, unless `return_exceptions` yields the error
+        instead. Abandoning the iterator cancels what is still queued.
+
+        `chunk`: items per task. None: sized from the measured run time per item, so that a
+        task runs ~CHUNK_TARGET_S (tiny items go up to MAX_CHUNK to a task and pay one task's
+        overhead between them; items of milliseconds go one by one). 1: a task per item.
+        A chunk's items run in one worker, one by one (byte-identical to a task each), or
+        stacked into one session call when dynamic batching is on (max_batch_size > 1: the
+        same float tolerance as batching); each keeps its own outcome, and its Result carries
+        the chunk's task id (and stats() counts it as one task). A chunk that kills workers
+        runs again item by item, so a poison item fails alone.
+
+        A generator of Results (of errors too, with `return_exceptions`); `close()` it to
+        abandon it at once."""
+        not_a_function(f"{type(self).__name__}.map()", items)
+        return mapping.results(self, items, window=window, return_exceptions=return_exceptions, context=context,
+                               chunk=chunk, ordered=ordered)
+
+    def _map_parts(self, items: Iterable[Any], *, window: int | None = None, contain: bool = False,
+                   context: dict[str, Any] | None = None, chunk: int | None = None,
+                   ordered: bool = True) -> Generator[mapping.MapPart, None, None]:
+        """map() one task at a time (`engine.caller.mapping.parts`): the batch job's way in."""
+        return mapping.parts(self, items, window=window, contain=contain, context=context, chunk=chunk,
+                             ordered=ordered)
+
+    async def submit_async(
+        self, inputs: Any, *, context: dict[str, Any] | None = None, deadline: float | None = None,
+        block_timeout: float | None = None,
+    ) -> Result:
+        """Accept one task and await its `Result`; the same arguments and errors as `submit`.
+
+        Cancelling the awaiting coroutine cancels the task: queued, it never runs; running, it
+        ends with TaskCancelled and its result is never delivered."""
+        return await aio.submit_async(self, inputs, context, deadline, block_timeout)
+
+    async def infer_async(self, inputs: Any, **kw: Any) -> Outputs:
+        """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
+        what it returned)."""
+        result = await self.submit_async(inputs, **kw)
+        outputs: Outputs = result.outputs
+        return outputs
+
+    @overload
+    def map_async(
+        self, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
+        return_exceptions: Literal[False] = ..., context: dict[str, Any] | None = ...,
+    ) -> AsyncIterator[Result]: ...
+
+    @overload
+    def map_async(
+        self, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = ...,
+        return_exceptions: bool, context: dict[str, Any] | None = ...,
+    ) -> AsyncIterator[Result | BaseException]: ...
+
+    def map_async(
+        self, items: AsyncIterable[Any] | Iterable[Any], *, window: int | None = None,
+        return_exceptions: bool = False, context: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Result | BaseException]:
+        """Results in submission order, at most `window` tasks accepted and not yet yielded.
+
+        `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
+        consumer) or a plain iterable (its `next()` runs on the loop thread: keep it cheap). A
+        failed task raises at its position, unless `return_exceptions` yields the error. Each
+        Result's `index` (an error's `.index`) is its item's position in `items`. When
+        the consumer stops early (break, cancellation, an error), every task still in flight
+        is cancelled with the receipts of `submit_async`."""
+        return aio.map_async(self, items, window, return_exceptions, context)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        """close() on a thread of its own (it waits for the drain); cancel what is queued when
+        the block raised. Cancelled while closing: the close goes on, the caller moves on."""
+        await aio.close_async(self, cancel_pending=exc_type is not None)
 
     def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
         """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
@@ -375,7 +432,7 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
         spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path),
                                    digest=model_digest(path))  # the new version, pinned
-        plan = self._reload_plan(spec, old, drain_slot, allow_signature_change, apply=_applier(self._weak))
+        plan = self._reload_plan(spec, old, drain_slot, allow_signature_change, apply=applier(self._weak))
         self._owner.call(self._owner.start_reload, plan).result()  # EngineClosed once it has stopped
         if not plan.done.wait(timeout):
             raise TimeoutError(f"reload still in progress after {timeout} s (it goes on, and the "
@@ -436,34 +493,3 @@ class BaseEngine(CheckedConstructor, MapMixin, AsyncEngineMixin):
             if self._state is EngineState.ACCEPTING:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
-
-
-def _applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], None]:
-    """What a reload plan calls on the owner thread once it has swapped every slot: the
-    engine's inputs and version become the new model's (weakly: the plan keeps no engine)."""
-
-    def apply(info: SessionInfo) -> None:
-        eng = ref()
-        if eng is not None:
-            eng._set_specs(info)
-
-    return apply
-
-
-class TaskFuture(Future[Result]):
-    """The Future of one task. Its cancel() of a queued task also takes the task out of the
-    queue (a subclass, not a done-callback: no callback to register and call per task)."""
-
-    slabpool_task: Task
-
-    def __init__(self, engine: weakref.ReferenceType[BaseEngine]) -> None:
-        super().__init__()
-        self._engine = engine
-
-    def cancel(self) -> bool:
-        if not super().cancel():
-            return False
-        eng = self._engine()
-        if eng is not None:  # else the engine was collected, and its shutdown ended the task
-            eng._on_cancelled(self)
-        return True

@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from slabpool.engine.caller.request import JobEngine, Outputs, Request
 from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
+from slabpool.workers.protocol import TensorSpec
 
 Array = npt.NDArray[Any]
 BLOCK_TARGET_S = 0.03  # run time per task (a block of several session calls) aimed at
@@ -288,3 +290,36 @@ def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None]) -> dict[
         f"{len(rows)} of {n} rows failed (first: row {rows[0]}, {type(first).__name__}: "
         f"{(str(first).splitlines() or [''])[0]}); .rows, .errors and .outputs hold the rest",
         rows=rows, errors=errors, outputs=outputs)
+
+
+def infer_rows(eng: JobEngine, specs: tuple[TensorSpec, ...], inputs: Any, batch_size: int | str,
+               context: dict[str, Any] | None, block_timeout: float | None) -> Outputs:
+    """`infer(batch_size=)`: the rows on axis 0 as blocks, their outputs concatenated."""
+    arrays, n = rows_of(inputs)
+    check_blockable(eng, specs, arrays)
+    window = eng.config.workers * max(eng.config.inflight_per_slot, 2)
+    hooks = eng.config.preprocess is not None or eng.config.postprocess is not None
+    sizer = BlockSizer(batch_size, row_bytes(arrays), eng.config.shm_capacity, window,
+                       eng.config.task_timeout, group=not hooks)
+    if n == 0:
+        empty: Outputs = eng.submit(inputs, context=context, block_timeout=block_timeout).result().outputs
+        return empty
+
+    def submit(lo: int, hi: int, step: int) -> Future[Result]:
+        # a block counts no items (its rows are counted here), `step` rows a session call
+        return eng._submit(Request(slice_rows(arrays, lo, hi), context, None, block_timeout, 0, step))
+
+    eng._tally(accepted=n)
+    return gather(run_blocks(submit, [(0, n)], sizer, window), n, eng._tally)
+
+
+def check_blockable(eng: JobEngine, specs: tuple[TensorSpec, ...], arrays: dict[str, Any]) -> None:
+    """Rows can go in blocks when every model input has a dynamic axis 0 (or a preprocess
+    takes the block); the contract is checked here, once, for every block."""
+    if eng.config.preprocess is not None or not specs:
+        return
+    fixed = [s for s in specs if not s.shape or s.shape[0] is not None]
+    if fixed:
+        raise ValueError(f"infer(batch_size=...): input {fixed[0].name!r} has shape {fixed[0].shape}, not a "
+                         "dynamic axis 0; rows of this model cannot go in blocks")
+    eng._admit(slice_rows(arrays, 0, 0))  # InputContractError here, not per block

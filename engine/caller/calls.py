@@ -1,5 +1,5 @@
 """Errors a caller's call makes, in the caller's words: the public method's name
-(`Engine.map()`, not `MapMixin.map()`), the setting it probably meant, and what a call takes
+(`Engine.map()`, not `BaseEngine.map()`), the setting it probably meant, and what a call takes
 when it was handed something else (`eng.map(fn, items)`: map() takes inputs, not a function).
 
 `public` wraps a method at no cost while the call is right: the arguments are looked at again
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ParamSpec, Self, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from slabpool.engine.core.config import check_settings, suggest
 
@@ -85,18 +85,6 @@ class InitSignature:
         init = next(k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__)
         sig = inspect.signature(init)
         return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
-class CheckedConstructor:
-    """An engine's constructor call checked before its __init__ runs: a wrong one fails in the
-    caller's words ("Engine() got an unexpected setting 'max_workers'; did you mean
-    'workers'?"), before anything starts."""
-
-    __signature__ = InitSignature()  # help(Engine), inspect.signature(Engine): __init__'s, not __new__'s
-
-    def __new__(cls, *args: Any, **kw: Any) -> Self:
-        check_constructor(cls, args, kw)
-        return super().__new__(cls)
 
 
 @functools.cache

@@ -13,14 +13,13 @@ import copy
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Protocol
 
 import numpy as np
 
-from slabpool.engine.caller.calls import not_a_function, public
 from slabpool.engine.caller.request import Request
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.task import Result
@@ -31,198 +30,163 @@ from slabpool.workers.protocol import Chunk, RemoteError
 _Pending = tuple[Future[Result], list[Any], int]  # a task of map(): its Future, its items, the first's index
 
 
-class MapMixin:
-    """map() for BaseEngine, built on its submit(), _submit_chunk() and _tally()."""
+class MapHost(Protocol):
+    """What map() needs of an engine (`BaseEngine` provides it): its submit(), its one internal
+    way in, chunk tasks (a local Engine's) and the caller's item counts."""
 
-    chunked_map = False  # map() may send several items as one task (a local Engine)
-    config: EngineConfig
+    chunked_map: bool
 
-    submit: Callable[..., Future[Result]]  # BaseEngine's
-    _submit: Callable[[Request], Future[Result]]  # BaseEngine's one internal way in
-    _submit_chunk: Callable[[list[Any], dict[str, Any] | None], Future[Result]]
-    _tally: Callable[..., None]
+    @property
+    def config(self) -> EngineConfig: ...
 
-    @overload
-    def map(
-        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: Literal[False] = ...,
-        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
-    ) -> Generator[Result, None, None]: ...
+    def submit(self, inputs: Any, *, context: dict[str, Any] | None = ...) -> Future[Result]: ...
 
-    @overload
-    def map(
-        self, items: Iterable[Any], *, window: int | None = ..., return_exceptions: bool,
-        context: dict[str, Any] | None = ..., chunk: int | None = ..., ordered: bool = ...,
-    ) -> Generator[Result | BaseException, None, None]: ...
+    def _submit(self, request: Request) -> Future[Result]: ...
 
-    @public
-    def map(
-        self,
-        items: Iterable[Any],
-        *,
-        window: int | None = None,
-        return_exceptions: bool = False,
-        context: dict[str, Any] | None = None,
-        chunk: int | None = None,
-        ordered: bool = True,
-    ) -> Generator[Result | BaseException, None, None]:
-        """Results in submission order, at most `window` items in flight (memory stays bounded).
-        `ordered=False`: in the order tasks finish instead (a slow item holds nothing up; the
-        items of one chunk still come together, in their order). Either way each Result's
-        `index` is its item's position in `items` (0-based), whatever chunk, replay or
-        item-by-item rerun computed it, and a yielded error (`return_exceptions`) carries it
-        as `.index` too; `context` is on every Result.
+    def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]: ...
 
-        A failed item raises at its position, unless `return_exceptions` yields the error
-        instead. Abandoning the iterator cancels what is still queued.
+    def _tally(self, *, accepted: int = ..., completed: int = ..., failed: int = ...,
+               cancelled: int = ...) -> None: ...
 
-        `chunk`: items per task. None: sized from the measured run time per item, so that a
-        task runs ~CHUNK_TARGET_S (tiny items go up to MAX_CHUNK to a task and pay one task's
-        overhead between them; items of milliseconds go one by one). 1: a task per item.
-        A chunk's items run in one worker, one by one (byte-identical to a task each), or
-        stacked into one session call when dynamic batching is on (max_batch_size > 1: the
-        same float tolerance as batching); each keeps its own outcome, and its Result carries
-        the chunk's task id (and stats() counts it as one task). A chunk that kills workers
-        runs again item by item, so a poison item fails alone.
 
-        A generator of Results (of errors too, with `return_exceptions`); `close()` it to
-        abandon it at once."""
-        not_a_function(f"{type(self).__name__}.map()", items)
-        return self._map_items(items, window=window, return_exceptions=return_exceptions, context=context,
-                               chunk=chunk, ordered=ordered)
+def results(
+    eng: MapHost, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
+    context: dict[str, Any] | None, chunk: int | None, ordered: bool,
+) -> Generator[Result | BaseException, None, None]:
+    """`BaseEngine.map()` once its call is checked: item by item, each task's outcomes."""
+    # an item refused at the door is contained either way: it then raises at its position,
+    # with its .index, after the results before it (was: at once, before them, with no index)
+    tasks = parts(eng, items, window=window, contain=True, context=context, chunk=chunk, ordered=ordered)
+    try:
+        for part in tasks:
+            yield from part.each(return_exceptions)
+    finally:
+        tasks.close()  # at once, not when a traceback lets go of it: what is queued is cancelled
 
-    def _map_items(
-        self, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
-        context: dict[str, Any] | None, chunk: int | None, ordered: bool,
-    ) -> Generator[Result | BaseException, None, None]:
-        # an item refused at the door is contained either way: it then raises at its position,
-        # with its .index, after the results before it (was: at once, before them, with no index)
-        parts = self._map_parts(items, window=window, contain=True, context=context, chunk=chunk, ordered=ordered)
-        try:
-            for part in parts:
-                yield from part.each(return_exceptions)
-        finally:
-            parts.close()  # at once, not when a traceback lets go of it: what is queued is cancelled
 
-    def _map_parts(
-        self,
-        items: Iterable[Any],
-        *,
-        window: int | None = None,
-        contain: bool = False,
-        context: dict[str, Any] | None = None,
-        chunk: int | None = None,
-        ordered: bool = True,
-    ) -> Generator[MapPart, None, None]:
-        """map() one task at a time: a MapPart per task, holding the outcomes of its items in
-        their order (map() yields them one by one; the batch job takes a chunk's outputs whole,
-        with no Result per item). `contain`: map()'s return_exceptions at the door."""
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
-        auto = chunk is None and self._chunks_ok()
-        size = 1 if chunk is None or not self._chunks_ok() else chunk
-        base = window or self.config.queue_capacity + self.config.workers * self.config.inflight_per_slot
-        pace = _Pace(min(MAX_CHUNK_BYTES, self.config.shm_capacity // (4 * self.config.workers)))
-        pending: deque[_Pending] = deque()
-        in_flight = 0
-        start = 0  # the index of the next item taken from `items`
-        it = iter(items)
-        try:
-            while True:
-                if auto:
-                    size = pace.chunk(window, self.config.workers)
-                limit = window or max(base, 4 * self.config.workers * size)
-                group = list(itertools.islice(it, size))
-                if not group:
-                    break
-                pace.weigh(group[0])
-                pending.extend(self._submit_items(group, context, contain, start))
-                start += len(group)
-                in_flight += len(group)
-                while pending and in_flight >= limit:
-                    fut, group, first = _next_done(pending, ordered)
-                    in_flight -= len(group)
-                    yield from self._task_parts(fut, group, context, pace, len(group) > 1, first)
-            while pending:
+def parts(
+    eng: MapHost,
+    items: Iterable[Any],
+    *,
+    window: int | None = None,
+    contain: bool = False,
+    context: dict[str, Any] | None = None,
+    chunk: int | None = None,
+    ordered: bool = True,
+) -> Generator[MapPart, None, None]:
+    """map() one task at a time: a MapPart per task, holding the outcomes of its items in
+    their order (map() yields them one by one; the batch job takes a chunk's outputs whole,
+    with no Result per item). `contain`: map()'s return_exceptions at the door."""
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
+    auto = chunk is None and _chunks_ok(eng)
+    size = 1 if chunk is None or not _chunks_ok(eng) else chunk
+    base = window or eng.config.queue_capacity + eng.config.workers * eng.config.inflight_per_slot
+    pace = _Pace(min(MAX_CHUNK_BYTES, eng.config.shm_capacity // (4 * eng.config.workers)))
+    pending: deque[_Pending] = deque()
+    in_flight = 0
+    start = 0  # the index of the next item taken from `items`
+    it = iter(items)
+    try:
+        while True:
+            if auto:
+                size = pace.chunk(window, eng.config.workers)
+            limit = window or max(base, 4 * eng.config.workers * size)
+            group = list(itertools.islice(it, size))
+            if not group:
+                break
+            pace.weigh(group[0])
+            pending.extend(_submit_items(eng, group, context, contain, start))
+            start += len(group)
+            in_flight += len(group)
+            while pending and in_flight >= limit:
                 fut, group, first = _next_done(pending, ordered)
-                yield from self._task_parts(fut, group, context, pace, len(group) > 1, first)
-        finally:
-            for f, group, _ in pending:
-                f.cancel()
-                if len(group) > 1:  # a chunk's items are the caller's side to count
-                    self._tally(cancelled=len(group))
+                in_flight -= len(group)
+                yield from _task_parts(eng, fut, group, context, pace, len(group) > 1, first)
+        while pending:
+            fut, group, first = _next_done(pending, ordered)
+            yield from _task_parts(eng, fut, group, context, pace, len(group) > 1, first)
+    finally:
+        for f, group, _ in pending:
+            f.cancel()
+            if len(group) > 1:  # a chunk's items are the caller's side to count
+                eng._tally(cancelled=len(group))
 
-    def _submit_items(
-        self, group: list[Any], context: dict[str, Any] | None, contain: bool, start: int,
-    ) -> list[_Pending]:
-        """Submit one task of map(), its items from index `start` of the caller's iterable. With
-        `contain` (return_exceptions), an item refused at the door (its input contract, data
-        that cannot be pickled, too large) becomes a failed Future at its position: the items
-        of its chunk go one by one, the rest still runs."""
-        try:
-            if len(group) == 1:
-                return [(self.submit(group[0], context=context), group, start)]
-            fut = self._submit_chunk(group, context)
-            self._tally(accepted=len(group))
-            return [(fut, group, start)]
-        except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
-            if not contain:
-                raise
-            if len(group) > 1:
-                return [part for i, x in enumerate(group)
-                        for part in self._submit_items([x], context, contain, start + i)]
-            failed: Future[Result] = Future()
-            failed.set_exception(exc)
-            return [(failed, group, start)]
 
-    def _task_parts(
-        self, fut: Future[Result], group: list[Any], context: dict[str, Any] | None, pace: _Pace, tally: bool,
-        start: int,
-    ) -> Iterator[MapPart]:
-        """The outcome of one task of map() as MapParts (one; or one per item when a chunk that
-        killed workers runs again item by item), its first item at index `start`. `tally`: the
-        task counts no items itself (a chunk, or an item of one run again alone)."""
-        try:
-            res = fut.result()
-        except (E.PoisonTask, E.WorkerCrashed, E.ShmCapacityError) as exc:
-            # which item kills workers, or needs more shared memory than the arena holds for
-            # one task? Each alone now: it fails alone (an item that fits alone never fails
-            # for sharing a chunk)
-            if len(group) > 1:
-                futs: list[Future[Result]] = []
-                seen = 0
-                try:
-                    futs = [self._submit(Request(x, context, units=0)) for x in group]
-                    for i, f in enumerate(futs):
-                        seen += 1  # its outcome is counted by the call below
-                        yield from self._task_parts(f, [group[i]], context, pace, True, start + i)
-                finally:
-                    for f in futs[seen:]:
-                        f.cancel()
-                    self._tally(cancelled=len(group) - seen)
-                return
-            if tally:
-                self._tally(failed=1)
-            yield MapPart(1, None, exc, start)
-            return
-        except Exception as exc:  # noqa: BLE001 - every item of the task ends with it (raised there)
-            if tally:
-                self._tally(failed=len(group))
-            yield MapPart(len(group), None, exc, start)
-            return
-        pace.observe(res.timings.run, len(group), res.outputs)
-        if type(res.outputs) is not Chunk:
-            if tally:
-                self._tally(completed=1)
-            yield MapPart(1, res, None, start)
-            return
-        count = packing.chunk_count(res.outputs)  # (stacked: every item done)
-        bad = 0 if res.outputs.stacked is not None else sum(type(out) is RemoteError for out in res.outputs)
-        self._tally(completed=count - bad, failed=bad)
-        yield MapPart(count, res, None, start)
+def _submit_items(
+    eng: MapHost, group: list[Any], context: dict[str, Any] | None, contain: bool, start: int,
+) -> list[_Pending]:
+    """Submit one task of map(), its items from index `start` of the caller's iterable. With
+    `contain` (return_exceptions), an item refused at the door (its input contract, data
+    that cannot be pickled, too large) becomes a failed Future at its position: the items
+    of its chunk go one by one, the rest still runs."""
+    try:
+        if len(group) == 1:
+            return [(eng.submit(group[0], context=context), group, start)]
+        fut = eng._submit_chunk(group, context)
+        eng._tally(accepted=len(group))
+        return [(fut, group, start)]
+    except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
+        if not contain:
+            raise
+        if len(group) > 1:
+            return [part for i, x in enumerate(group)
+                    for part in _submit_items(eng, [x], context, contain, start + i)]
+        failed: Future[Result] = Future()
+        failed.set_exception(exc)
+        return [(failed, group, start)]
 
-    def _chunks_ok(self) -> bool:
-        """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
-        return self.chunked_map and self.config.task_timeout is None
+
+def _task_parts(
+    eng: MapHost, fut: Future[Result], group: list[Any], context: dict[str, Any] | None, pace: _Pace, tally: bool,
+    start: int,
+) -> Iterator[MapPart]:
+    """The outcome of one task of map() as MapParts (one; or one per item when a chunk that
+    killed workers runs again item by item), its first item at index `start`. `tally`: the
+    task counts no items itself (a chunk, or an item of one run again alone)."""
+    try:
+        res = fut.result()
+    except (E.PoisonTask, E.WorkerCrashed, E.ShmCapacityError) as exc:
+        # which item kills workers, or needs more shared memory than the arena holds for
+        # one task? Each alone now: it fails alone (an item that fits alone never fails
+        # for sharing a chunk)
+        if len(group) > 1:
+            futs: list[Future[Result]] = []
+            seen = 0
+            try:
+                futs = [eng._submit(Request(x, context, units=0)) for x in group]
+                for i, f in enumerate(futs):
+                    seen += 1  # its outcome is counted by the call below
+                    yield from _task_parts(eng, f, [group[i]], context, pace, True, start + i)
+            finally:
+                for f in futs[seen:]:
+                    f.cancel()
+                eng._tally(cancelled=len(group) - seen)
+            return
+        if tally:
+            eng._tally(failed=1)
+        yield MapPart(1, None, exc, start)
+        return
+    except Exception as exc:  # noqa: BLE001 - every item of the task ends with it (raised there)
+        if tally:
+            eng._tally(failed=len(group))
+        yield MapPart(len(group), None, exc, start)
+        return
+    pace.observe(res.timings.run, len(group), res.outputs)
+    if type(res.outputs) is not Chunk:
+        if tally:
+            eng._tally(completed=1)
+        yield MapPart(1, res, None, start)
+        return
+    count = packing.chunk_count(res.outputs)  # (stacked: every item done)
+    bad = 0 if res.outputs.stacked is not None else sum(type(out) is RemoteError for out in res.outputs)
+    eng._tally(completed=count - bad, failed=bad)
+    yield MapPart(count, res, None, start)
+
+
+def _chunks_ok(eng: MapHost) -> bool:
+    """Chunk tasks need a local engine; task_timeout is per task, not per item: off then."""
+    return eng.chunked_map and eng.config.task_timeout is None
 
 
 @dataclass(frozen=True, slots=True)

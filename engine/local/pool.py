@@ -12,7 +12,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.caller.base import BaseEngine
+from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig

@@ -44,7 +44,8 @@ from typing import Any
 
 import ray
 
-from slabpool.engine.caller.base import BaseEngine, TaskFuture
+from slabpool.engine.caller.base import BaseEngine
+from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig

@@ -1,0 +1,70 @@
+"""What the caller's side hands out and holds, beside the engine itself: the Future of one
+task (`TaskFuture`), what it asks of a backend's owner thread (`Owner`), and what a reload
+plan calls once it has swapped every slot (`applier`)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
+
+from slabpool.engine.core.task import Result, Task
+from slabpool.workers.protocol import SessionInfo
+from slabpool.workers.session import SessionSpec
+
+if TYPE_CHECKING:
+    from slabpool.engine.caller.base import BaseEngine
+
+
+class Owner(Protocol):
+    """What the caller's side asks of a backend's owner (engine.core.coordinator.Coordinator):
+    its thread's calls, and the ledger's cancel and close."""
+
+    @property
+    def on_thread(self) -> bool: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+
+    def join(self, timeout: float | None) -> bool: ...
+
+    def close(self, cancel_pending: bool) -> None: ...
+
+    def cancel(self, task: Task, kill: bool) -> bool: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def model_spec(self) -> SessionSpec | None: ...
+
+    def start_reload(self, plan: Any) -> None: ...  # the backend's own `_reload_plan`
+
+
+def applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], None]:
+    """What a reload plan calls on the owner thread once it has swapped every slot: the
+    engine's inputs and version become the new model's (weakly: the plan keeps no engine)."""
+
+    def apply(info: SessionInfo) -> None:
+        eng = ref()
+        if eng is not None:
+            eng._set_specs(info)
+
+    return apply
+
+
+class TaskFuture(Future[Result]):
+    """The Future of one task. Its cancel() of a queued task also takes the task out of the
+    queue (a subclass, not a done-callback: no callback to register and call per task)."""
+
+    slabpool_task: Task
+
+    def __init__(self, engine: weakref.ReferenceType[BaseEngine]) -> None:
+        super().__init__()
+        self._engine = engine
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        eng = self._engine()
+        if eng is not None:  # else the engine was collected, and its shutdown ended the task
+            eng._on_cancelled(self)
+        return True
