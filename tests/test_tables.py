@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from slabpool.workers.errors import ErrorKind
 from slabpool.workers.pipeline import DeadlinePassed, error_kind, remote_error
 from slabpool.workers.protocol import RemoteError
 from slabpool.workers.session import RunTimeout
+from tests.backends import BOTH_BACKENDS, LOCAL_ONLY
 
 # kind -> (class, its message for task 7 of RemoteError(kind, "Boom", "bad {x}", ...)): the
 # messages read as they did when the kinds were strings in an if/elif chain
@@ -77,3 +79,14 @@ def test_a_bad_admission_policy_names_the_choices(models, bad: object) -> None:
     with pytest.raises(ValueError, match=r"admission must be one of 'block', 'reject', 'drop_oldest', got") as info:
         Engine(models.mlp, workers=1, admission=bad)  # type: ignore[arg-type]
     assert repr(bad) in str(info.value)
+
+
+def test_every_test_module_names_the_backends_it_runs_on() -> None:
+    """A test module runs on both backends or says why it is local-only (tests/backends.py):
+    a new module listed nowhere fails here, as does a name that is no module."""
+    modules = {p.stem for p in Path(__file__).parent.glob("test_*.py")}
+    assert not set(BOTH_BACKENDS) & set(LOCAL_ONLY), sorted(set(BOTH_BACKENDS) & set(LOCAL_ONLY))
+    listed = set(BOTH_BACKENDS) | set(LOCAL_ONLY)
+    assert modules - listed == set(), f"list these in tests/backends.py with a reason: {sorted(modules - listed)}"
+    assert listed - modules == set(), f"no such test module: {sorted(listed - modules)}"
+    assert all(why.strip() for why in LOCAL_ONLY.values())
