@@ -66,9 +66,10 @@ class _Host(Protocol):
 async def submit_async(
     eng: _Host,
     inputs: Any,
-    context: dict[str, Any] | None,
-    deadline: float | None,
-    block_timeout: float | None,
+    *,
+    context: dict[str, Any] | None = None,
+    deadline: float | None = None,
+    block_timeout: float | None = None,
 ) -> Result:
     """`BaseEngine.submit_async()`: admit without blocking the loop, then await the task
     (cancelling the awaiting coroutine cancels it)."""

@@ -342,12 +342,12 @@ class BaseEngine:
 
         Cancelling the awaiting coroutine cancels the task: queued, it never runs; running, it
         ends with TaskCancelled and its result is never delivered."""
-        return await aio.submit_async(self, inputs, context, deadline, block_timeout)
+        return await aio.submit_async(self, inputs, context=context, deadline=deadline, block_timeout=block_timeout)
 
     async def infer_async(self, inputs: Any, **kw: Any) -> Outputs:
         """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
         what it returned)."""
-        result = await self.submit_async(inputs, **kw)
+        result = await aio.submit_async(self, inputs, **kw)  # one call, not two, per task
         outputs: Outputs = result.outputs
         return outputs
 
