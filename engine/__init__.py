@@ -66,8 +66,10 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   output regions (7); `slot.Slot` is one worker process and its pipe (the owner never blocks
   writing it: what the pipe does not take waits in the slot's outbox until the selector says
   writable); `forks` keeps a forked child off the parent's workers.
-- `engine.ray`: `RayEngine`, whose slots are Ray actors, on the same owner core; its `reload`
-  starts each slot's new actor next to the old one.
+- `engine.ray`: `RayEngine`, whose slots are Ray actors (`transport.RayTransport`: actor calls,
+  Ray's restarts and pings, an inbox of event values), on the same owner as the local engine:
+  the same dispatch, timers, replay, quarantine and reload (a slot's actor is replaced once it
+  has drained, as a local slot's process is).
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
   Inference Protocol over HTTP and gRPC, on the public API (one engine per model).
 - `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b).
