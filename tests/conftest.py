@@ -1,10 +1,12 @@
-"""Shared fixtures: models built once per session, both start methods, and the leak check
-that runs after every test (no child process, no slabpool shared memory)."""
+"""Shared fixtures: models built once per session, both start methods, the confined Ray run
+started in the background (tests.ray_support.inner), and the leak check that runs after every
+test (no child process, no slabpool shared memory)."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,18 +14,26 @@ import psutil
 import pytest
 
 from tests.models import onnx_models, tflite_models
+from tests.ray_support import inner
 
 _MP_INFRA = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+_NETNS = os.readlink("/proc/self/ns/net")
+_inner_run: inner.InnerRun | None = None  # the confined Ray run, while it runs beside the tests
 
 
 def our_children() -> list[psutil.Process]:
     """Child processes of this test process, except multiprocessing's own forkserver and
-    resource tracker (one each per parent, shared by every engine, gone when pytest exits)."""
+    resource tracker (one each per parent, shared by every engine, gone when pytest exits),
+    and the confined Ray run while it runs: its root process and whatever is in another
+    network namespace (only that run makes one; it checks its own leftovers by it)."""
     kids = []
+    confined = _inner_run is not None and _inner_run.proc.poll() is None
     for p in psutil.Process().children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
-        except psutil.Error:
+            if confined and (p.pid == _inner_run.proc.pid or os.readlink(f"/proc/{p.pid}/ns/net") != _NETNS):
+                continue
+        except (psutil.Error, OSError):
             continue
         if any(name in cmd for name in _MP_INFRA):
             continue
@@ -64,6 +74,24 @@ def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d: Path = tmp_path_factory.mktemp("weight-cache")
     os.environ["SLABPOOL_CACHE_DIR"] = str(d)
     return d
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ray_inner_run(request: pytest.FixtureRequest, weight_cache: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[inner.InnerRun | None]:
+    """The Ray cases' confined run, started before the first test when a selected case will
+    report it, so that its ~2 min (mostly ray.init and actors starting) overlap the rest of the
+    suite; test_ray.py's first [ray] case waits for it."""
+    global _inner_run
+    if os.environ.get("SLABPOOL_RAY_NETNS") == "1" or inner.why_no_ray() or not inner.wanted(request.session.items):
+        yield None
+        return
+    _inner_run = inner.InnerRun(tmp_path_factory.mktemp("ray_inner"))
+    try:
+        yield _inner_run
+    finally:
+        _inner_run.stop()
+        _inner_run = None
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """One contract suite, two backends: `Engine(model, workers=2)` and `RayEngine(model, workers=2)`.
 
 The local cases run here. The Ray cases need a Ray cluster confined to loopback, so this same
-file is re-run once, in a subprocess, inside a private network namespace with only `lo` up:
+file is re-run once, in a subprocess, inside a private network namespace with only `lo` up and a
+/dev/shm of its own; conftest starts it with the session (tests/ray_support/inner.py), so it runs
+beside the rest of the suite:
 
-    pytest (this process)                      unshare -n: ip link set lo up; pytest (inner)
+    pytest (this process)                      unshare -n -m: lo up, own /dev/shm; pytest (inner)
       test_x[local]  runs here                   ray.init(num_cpus=2) once for the module
       test_x[ray]    reports the inner outcome   test_x[ray] runs for real; test_x[local] skips
       after the run: no process may be left in that namespace (checked by its inode)
@@ -11,22 +13,18 @@ file is re-run once, in a subprocess, inside a private network namespace with on
 Inside, the conftest leak check is narrowed to what a test may leave: no actor of ours
 (`ray::SlotActor`, Ray Data's `MapWorker`), no second node, no slabpool shared memory; the Ray
 daemons themselves must be gone after `ray.shutdown()` at the end of the module.
-Skipped, with the reason, when Ray, `unshare` or `ip` is missing, or without root.
+Skipped, with the reason, when Ray, `unshare`, `ip` or `mount` is missing, or without root.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,103 +40,27 @@ from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
 from tests.conftest import our_children, slabpool_shm
 from tests.models import onnx_models
+from tests.ray_support.inner import INNER_TIMEOUT_S, InnerRun, why_no_ray
 from tests.reference import ort_run
 
 INNER = os.environ.get("SLABPOOL_RAY_NETNS") == "1"
-REPO = Path(__file__).resolve().parent.parent
 HOOK = "tests.ray_support.hooks:staged"
 DELEGATED = "ray, run in the private network namespace"
 OURS = ("SlotActor", "MapWorker", "ray start", "ray/scripts/scripts.py start")
-INNER_TIMEOUT_S = 540  # the whole confined run (~2 min on a quiet 2-core machine); only a hang reaches it
 if not INNER:  # the first [ray] case waits for the whole confined run: the deadlock guard covers it
     pytestmark = pytest.mark.timeout(INNER_TIMEOUT_S + 60)
 
 
-def why_no_ray() -> str | None:
-    if importlib.util.find_spec("ray") is None:
-        return "ray is not installed: pip install 'slabpool[ray]' to run the Ray backend's tests"
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is missing: the Ray tests run in a private network namespace (unshare -n)"
-    if os.geteuid() != 0:
-        return "the Ray tests need root for `unshare -n` (a private network namespace, loopback only)"
-    return None
-
-
-# -- the outer run: delegate the Ray cases to one confined subprocess ---------------------------
+# -- the outer run: the Ray cases' outcomes come from the confined run ---------------------------
 
 
 @pytest.fixture(scope="module")
-def inner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+def inner_results(ray_inner_run: InnerRun | None) -> dict[str, tuple[str, str]]:
     reason = why_no_ray()
     if reason:
         pytest.skip(reason)
-    d = tmp_path_factory.mktemp("ray_inner")
-    xml, log, netns = d / "junit.xml", d / "output.txt", d / "netns"
-    ray_tmp = tempfile.mkdtemp(prefix="slabray-", dir="/tmp")  # short: Ray's socket paths live here
-    env = {**os.environ, "SLABPOOL_RAY_NETNS": "1", "SLABPOOL_RAY_NETNS_FILE": str(netns),
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" -m pytest "$@"',
-           sys.executable, str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", "-o", "junit_family=xunit2"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(INNER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    left = _left_in_namespace(netns)
-    shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session logs and its current-cluster file
-    tail = log.read_text(errors="replace")[-6000:]
-    assert not left, f"processes left in the Ray tests' network namespace: {left}\n{tail}"
-    if not xml.exists():
-        pytest.fail(f"the confined Ray run produced no report (exit {proc.returncode}):\n{tail}")
-    return _parse_junit(xml, tail)
-
-
-def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
-    """Every process still in the inner run's network namespace once those that see the inner
-    pytest gone have had time to exit (multiprocessing's resource tracker reads EOF, then
-    cleans up): SIGKILLed and listed."""
-    if not netns_file.exists():
-        return []
-    ns = netns_file.read_text().strip()
-    deadline = time.monotonic() + 15  # only a leak reaches it
-    while (left := _in_namespace(ns)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid, _ in left:
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
-    return left
-
-
-def _in_namespace(ns: str) -> list[tuple[int, str]]:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.readlink(f"/proc/{p.pid}/ns/net") == ns:
-                found.append((p.pid, " ".join(p.info["cmdline"] or [])))
-        except (OSError, psutil.Error):
-            continue
-    return found
-
-
-def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
-    results = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        outcome, text = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome = "skipped" if child.tag == "skipped" else "failed"
-                text = (child.get("message") or "") + "\n" + (child.text or "")
-                if outcome == "failed":
-                    break
-        results[case.get("name", "")] = (outcome, text)
-    results["__output__"] = ("", tail)
-    return results
+    assert ray_inner_run is not None, "conftest starts the confined run when a selected case reports it"
+    return ray_inner_run.results()
 
 
 def report_inner(request: pytest.FixtureRequest) -> None:

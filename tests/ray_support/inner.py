@@ -1,0 +1,160 @@
+"""The confined Ray run of tests/test_ray.py, started in the background when the session starts.
+
+The Ray cases run in a subprocess (that same file, SLABPOOL_RAY_NETNS=1) inside private
+namespaces: a network namespace with only `lo` up (Ray confined to loopback) and a mount
+namespace with its own tmpfs on /dev/shm. It is ~2 min of mostly waiting (ray.init, actors
+starting), so it runs while the rest of the suite runs, not in front of it:
+
+    session start: InnerRun.start()  ->  unshare -n -m: mount /dev/shm; ip link set lo up; pytest
+    tests ...                            (the Ray cases, for real)
+    first test_x[ray]: results()     <-  waits for it, then: no process left in its namespace
+
+The private /dev/shm keeps each run's leak check exact while both run: neither sees the other's
+`slabpool-*` names (or sweeps them). The outer leak check leaves this one process tree out
+(`pids()`); everything it leaves behind is checked here, by its network namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_FILE = REPO / "tests" / "test_ray.py"
+INNER_TIMEOUT_S = 540  # the whole confined run (~2 min on a quiet 2-core machine); only a hang reaches it
+# private namespaces, then the file's pytest: /dev/shm as large as the machine's (Ray's object store)
+SCRIPT = ('mount -t tmpfs -o "size=$SHM_SIZE" tmpfs /dev/shm && ip link set lo up && '
+          'exec "$0" -m pytest "$@"')
+
+
+def why_no_ray() -> str | None:
+    if importlib.util.find_spec("ray") is None:
+        return "ray is not installed: pip install 'slabpool[ray]' to run the Ray backend's tests"
+    for tool in ("unshare", "ip", "mount"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is missing: the Ray tests run in private namespaces (unshare -n -m)"
+    if os.geteuid() != 0:
+        return "the Ray tests need root for `unshare -n -m` (loopback only, a private /dev/shm)"
+    return None
+
+
+class InnerRun:
+    """One confined run of tests/test_ray.py: started once, its outcome read once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.xml, self.log, self.netns = folder / "junit.xml", folder / "output.txt", folder / "netns"
+        self.ray_tmp = tempfile.mkdtemp(prefix="slabray-", dir="/tmp")  # short: Ray's socket paths live here
+        env = {**os.environ, "SLABPOOL_RAY_NETNS": "1", "SLABPOOL_RAY_NETNS_FILE": str(self.netns),
+               "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.ray_tmp,
+               "SHM_SIZE": str(shutil.disk_usage("/dev/shm").total),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        cmd = ["unshare", "-n", "-m", "sh", "-c", SCRIPT, sys.executable, str(TEST_FILE), "-q",
+               "-p", "no:cacheprovider", f"--basetemp={folder / 'tmp'}", f"--junitxml={self.xml}", "-o", "junit_family=xunit2"]
+        self.deadline = time.monotonic() + INNER_TIMEOUT_S
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self._results: dict[str, tuple[str, str]] | None = None
+
+    def pids(self) -> set[int]:
+        """This run's process tree, as the outer leak check must leave it out (while it runs)."""
+        if self.proc.poll() is not None:
+            return set()
+        try:
+            root = psutil.Process(self.proc.pid)
+            return {root.pid, *(p.pid for p in root.children(recursive=True))}
+        except psutil.Error:
+            return {self.proc.pid}
+
+    def results(self) -> dict[str, tuple[str, str]]:
+        """test name -> (outcome, text), once the run has ended and left nothing behind."""
+        if self._results is None:
+            self._results = self._finish()
+        return self._results
+
+    def _finish(self) -> dict[str, tuple[str, str]]:
+        try:
+            self.proc.wait(max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        left = _left_in_namespace(self.netns)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)  # Ray's session logs and its current-cluster file
+        tail = self.log.read_text(errors="replace")[-6000:]
+        assert not left, f"processes left in the Ray tests' network namespace: {left}\n{tail}"
+        if not self.xml.exists():
+            raise AssertionError(f"the confined Ray run produced no report (exit {self.proc.returncode}):\n{tail}")
+        return _parse_junit(self.xml, tail)
+
+    def stop(self) -> None:
+        """At the session's end: a run whose results no case asked for (deselected, -x) is
+        stopped, and what it left is killed."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        _left_in_namespace(self.netns)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def wanted(items: list[object]) -> bool:
+    """Whether a selected case reports the confined run's outcome (test_x[ray], the Ray-only ones)."""
+    for item in items:
+        if getattr(item, "path", None) != TEST_FILE:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if "ray_only" in getattr(item, "fixturenames", ()) or (callspec and callspec.params.get("backend") == "ray"):
+            return True
+    return False
+
+
+def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
+    """Every process still in the inner run's network namespace once those that see the inner
+    pytest gone have had time to exit (multiprocessing's resource tracker reads EOF, then
+    cleans up): SIGKILLed and listed."""
+    if not netns_file.exists():
+        return []
+    ns = netns_file.read_text().strip()
+    deadline = time.monotonic() + 15  # only a leak reaches it
+    while (left := _in_namespace(ns)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, _ in left:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    return left
+
+
+def _in_namespace(ns: str) -> list[tuple[int, str]]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.readlink(f"/proc/{p.pid}/ns/net") == ns:
+                found.append((p.pid, " ".join(p.info["cmdline"] or [])))
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
+    results = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome, text = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "skipped" if child.tag == "skipped" else "failed"
+                text = (child.get("message") or "") + "\n" + (child.text or "")
+                if outcome == "failed":
+                    break
+        results[case.get("name", "")] = (outcome, text)
+    results["__output__"] = ("", tail)
+    return results
