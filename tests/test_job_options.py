@@ -57,8 +57,10 @@ def test_a_bad_value_names_the_option_and_what_it_accepts(option: str, value: st
     assert "_positive" not in line and "invalid" not in line, line  # never a private function's name
 
 
-@pytest.mark.parametrize("spelled", ["auto", "AUTO"])
-def test_batch_size_auto_is_the_default(spelled: str, tmp_path: Path, models: SimpleNamespace) -> None:
+# The spelling is read with the arguments, before any input is: one input kind shows that AUTO
+# is auto; "auto" goes through all three (a job each).
+@pytest.mark.parametrize(("spelled", "kinds"), [("auto", 3), ("AUTO", 1)])
+def test_batch_size_auto_is_the_default(spelled: str, kinds: int, tmp_path: Path, models: SimpleNamespace) -> None:
     x = rows(700)
     np.save(tmp_path / "in.npy", x)
     items = [{"i": i, "x": r.tolist()} for i, r in enumerate(x[:50])]
@@ -66,7 +68,7 @@ def test_batch_size_auto_is_the_default(spelled: str, tmp_path: Path, models: Si
         (tmp_path / "in.npy", tmp_path / "o.npy", []),  # blocks: sized from the measured time per row
         (jsonl(tmp_path / "in.jsonl", items), tmp_path / "o.npz", ["--preprocess", "tests.cli_hooks:feeds"]),
         (tmp_path / "in.jsonl", tmp_path / "b.npz", ["--preprocess", "tests.cli_hooks:feeds_batch"]),  # batched
-    ]:
+    ][:kinds]:
         p = slabpool("run", models.mlp, src, "-o", out, "--workers", 2, "--batch-size", spelled, *extra)
         assert p.returncode == 0, p.stderr
         assert "(batch size auto)" in p.stdout
