@@ -95,5 +95,5 @@ class JobEngine(Protocol):
     def _map_parts(self, items: Iterable[Any], *, window: int | None = ..., contain: bool = ...,
                    context: dict[str, Any] | None = ..., chunk: int | None = ...,
                    ordered: bool = ...) -> Generator[MapPart, None, None]:
-        """map() one task at a time (`MapMixin._map_parts`)."""
+        """map() one task at a time (`mapping.parts`)."""
         ...
