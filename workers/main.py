@@ -43,6 +43,7 @@ from slabpool.workers.pipeline import (
     failure,
     in_steps,
     remote_error,
+    run_stacked,
     seed_task,
 )
 from slabpool.workers.protocol import (
@@ -328,19 +329,12 @@ class Worker:
         return self._stacked_run([feeds[t.task_id] for t in ready])
 
     def _stacked_run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Concatenate on axis 0, run once, split the outputs back (each item its rows)."""
-        assert self.session is not None
-        names = [s.name for s in self.session.info.inputs]
-        counts = [f[names[0]].shape[0] for f in feeds]
-        stacked = {n: np.concatenate([f[n] for f in feeds]) for n in names}
-        out = self.session.run(stacked, self.boot.task_timeout)
-        total = sum(counts)
-        for name, arr in out.items():
-            if arr.ndim == 0 or arr.shape[0] != total:
-                raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
-        bounds = np.cumsum(counts)[:-1]
-        split = {name: np.split(arr, bounds) for name, arr in out.items()}
-        return [{name: split[name][i] for name in out} for i in range(len(feeds))]
+        """One session call for the batch, split back into each item's rows (pipeline.run_stacked)."""
+        session = self.session
+        assert session is not None
+        timeout = self.boot.task_timeout
+        return run_stacked(lambda stacked: session.run(stacked, timeout),
+                           [s.name for s in session.info.inputs], feeds)
 
     def _post(self, outputs: Any, t: TaskSpec) -> Any:
         faults.inject(t.fault, "postprocess")

@@ -118,6 +118,24 @@ def run_in_steps(
     return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def run_stacked(
+    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    names: list[str], feeds: list[dict[str, np.ndarray]],
+) -> list[dict[str, np.ndarray]]:
+    """A stacked batch (dynamic batching): the feeds concatenated on axis 0, `run` once, the
+    outputs split back, each task its rows. An output without that batch axis is refused:
+    it cannot be split."""
+    counts = [f[names[0]].shape[0] for f in feeds]
+    out = run({n: np.concatenate([f[n] for f in feeds]) for n in names})
+    total = sum(counts)
+    for name, arr in out.items():
+        if arr.ndim == 0 or arr.shape[0] != total:
+            raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
+    bounds = np.cumsum(counts)[:-1]
+    split = {name: np.split(arr, bounds) for name, arr in out.items()}
+    return [{name: split[name][i] for name in out} for i in range(len(feeds))]
+
+
 class TaskPipeline:
     """preprocess -> contract -> run -> postprocess for one item, in the worker that owns
     `session` (None: preprocess is the whole task). `stage` names the step last entered."""

@@ -17,14 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import psutil
 import ray
 
 from slabpool.workers import context as task_context
 from slabpool.workers import faults
 from slabpool.workers.errors import ErrorKind
-from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, seed_task
+from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, run_stacked, seed_task
 from slabpool.workers.protocol import FaultSpec, RemoteError, SessionInfo
 from slabpool.workers.session import ModelSession, SessionSpec, load_session
 
@@ -128,7 +127,8 @@ class SlotActor:
         try:
             for i in ok:
                 faults.inject(tasks[i].fault, "run")
-            parts = _split_run(self.pipeline, [feeds[i][0] for i in ok], self.task_timeout)
+            stacked = [feeds[i][0] for i in ok]
+            parts = run_stacked(lambda x: self.pipeline.run(x, self.task_timeout), list(stacked[0]), stacked)
         except Exception:  # noqa: BLE001 - find the guilty one: run each on its own
             log.debug("stacked run failed; running the batch's %d tasks one by one", len(tasks))
             return set()
@@ -145,15 +145,3 @@ def _prepared(pipeline: TaskPipeline, item: Any, fault: FaultSpec | None) -> Any
     return pipeline.prepare(item)
 
 
-def _split_run(pipeline: TaskPipeline, feeds: list[dict[str, np.ndarray]], timeout: float | None) -> list[Any]:
-    """Concatenate on axis 0, run once, split the outputs back (each task its rows)."""
-    names = list(feeds[0])
-    counts = [f[names[0]].shape[0] for f in feeds]
-    out = pipeline.run({n: np.concatenate([f[n] for f in feeds]) for n in names}, timeout)
-    total = sum(counts)
-    for name, arr in out.items():
-        if arr.ndim == 0 or arr.shape[0] != total:
-            raise ValueError(f"output {name!r} has no batch axis 0; cannot split a batch")
-    bounds = np.cumsum(counts)[:-1]
-    split = {name: np.split(arr, bounds) for name, arr in out.items()}
-    return [{name: split[name][i] for name in out} for i in range(len(feeds))]
