@@ -28,11 +28,11 @@ venv: $(FULL)
 run: $(BASE)       ## the main job on the bundled demo model (~20 s)
 	$(BIN)/slabpool run
 
-test: $(FULL)      ## the whole suite, slow cases included (a few minutes on 2 cores)
-	$(BIN)/python -m pytest -q
+test: $(FULL)      ## the whole suite, slow cases included, as two runs side by side (tests/shards.py)
+	$(BIN)/python -m tests.shards
 
 test-fast: $(FULL) ## everything but the cases marked slow
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m tests.shards -m "not slow"
 
 bench: $(FULL)     ## slabpool vs the alternatives, side by side; writes bench/results/; then one call's latency (~1 min)
 	$(BIN)/python -m bench
