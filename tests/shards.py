@@ -35,7 +35,7 @@ SCRIPT = 'mount -t tmpfs -o "size=$SHM_SIZE" tmpfs /dev/shm && ip link set lo up
 def shards() -> tuple[list[str], list[str]]:
     files = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
     b = [f for f in files if any(fnmatch.fnmatch(f, pat) for pat in B_PATTERNS)]
-    return [f"tests/{f}" for f in files if f not in b], [f"tests/{f}" for f in b]
+    return [os.path.join("tests", f) for f in files if f not in b], [os.path.join("tests", f) for f in b]
 
 
 def why_not_confined() -> str | None:

@@ -249,6 +249,8 @@ class RayTransport:
         assert call.fut is not None
         exc = call.fut.exception()
         tasks = call.batch.tasks
+        if call.batch.revoked:  # its tasks ran elsewhere (the watchdog emptied it): its answer is dropped
+            return Done(slot, call.batch.id, (), 0.0)
         if exc is not None:
             lost = isinstance(exc, ObjectLostError)
             return Done(slot, call.batch.id, tuple(Outcome(t, split=True) if lost else Outcome(t, error=_failed(t, exc))
