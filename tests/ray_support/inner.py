@@ -30,6 +30,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.shards import why_not_confined
+
 REPO = Path(__file__).resolve().parents[2]
 TEST_FILE = REPO / "tests" / "test_ray.py"
 INNER_TIMEOUT_S = 540  # the whole confined run (~2 min on a quiet 2-core machine); only a hang reaches it
@@ -41,11 +43,9 @@ SCRIPT = ('mount -t tmpfs -o "size=$SHM_SIZE" tmpfs /dev/shm && ip link set lo u
 def why_no_ray() -> str | None:
     if importlib.util.find_spec("ray") is None:
         return "ray is not installed: pip install 'slabpool[ray]' to run the Ray backend's tests"
-    for tool in ("unshare", "ip", "mount"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is missing: the Ray tests run in private namespaces (unshare -n -m)"
-    if os.geteuid() != 0:
-        return "the Ray tests need root for `unshare -n -m` (loopback only, a private /dev/shm)"
+    why = why_not_confined()
+    if why is not None:
+        return f"{why}: the Ray tests run in private namespaces (unshare -n -m: loopback only, a private /dev/shm)"
     return None
 
 
