@@ -57,7 +57,7 @@ class Dispatcher:
             live = sum(s.state.can_take for s in self.slots)  # the queue is shared by every slot,
             # not only those open right now: a group sized for one open slot would starve the rest
             lim = dispatch.take_limits(
-                self.cfg, budget=budget if budget <= room.max_tasks else room.max_tasks, task_s=self.task_s, out_per_task=room.per_task,
+                self.cfg, budget=min(budget, room.max_tasks), task_s=self.task_s, out_per_task=room.per_task,
                 out_per_item=room.per_item, capacity=room.capacity, busy=bool(slot.batches), live_slots=live)
             got = self.queue.take(lim.max_items, wait_s, now, live, lim.max_tasks, lim.min_tasks)
             if got is None:

@@ -75,6 +75,15 @@ class Died:
 Event = Ready | Done | Died
 
 
+def sooner(timeout: float | None, due: list[float], now: float) -> float | None:
+    """The owner's wait `timeout`, cut short by the transport's own next timer (a kill to
+    escalate, a ping to send): the earliest of `due` (monotonic times), never negative."""
+    if not due:
+        return timeout
+    left = max(min(due) - now, 0.0)
+    return left if timeout is None else min(timeout, left)
+
+
 @dataclass(frozen=True, slots=True)
 class InHand:
     """What a slot's worker is doing now (read for task_timeout and stall decisions)."""

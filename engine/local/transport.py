@@ -28,7 +28,7 @@ import psutil
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.states import KillReason, TaskState
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Died, Done, Event, InHand, Ready, Room, Unsendable
+from slabpool.engine.core.transport import Died, Done, Event, InHand, Ready, Room, Unsendable, sooner
 from slabpool.engine.local.delivery import batch_outcomes
 from slabpool.engine.local.regions import OutputRegions, Sent
 from slabpool.engine.local.selector import SlotSelector, Watched
@@ -194,12 +194,8 @@ class LocalTransport:
     # -- the wait: what happened, as events ---------------------------------------------------------
 
     def wait(self, timeout: float | None) -> list[Event]:
-        now = time.monotonic()
         escalations = [w.kill_escalate_at for w in self.workers if w.kill_escalate_at is not None]
-        if escalations:
-            due = max(min(escalations) - now, 0.0)
-            timeout = due if timeout is None else min(timeout, due)
-        got = self.selector.select(self.workers, timeout)
+        got = self.selector.select(self.workers, sooner(timeout, escalations, time.monotonic()))
         conns, exits = set(), set()
         for key, mask in got:
             w = key.worker
@@ -280,6 +276,10 @@ class LocalTransport:
         if self.regions.release(sent):
             for to, grant in self.regions.grant_waiting([(w, s) for w in self.workers for s in w.sent]):
                 to.send(grant)
+        self._unpin(sent)
+
+    def _unpin(self, sent: Sent) -> None:
+        """The originals of revoked inputs, kept while the worker might still read them."""
         if sent.pinned:
             self.inputs.release_many(sent.pinned)
             sent.pinned = []
@@ -294,9 +294,7 @@ class LocalTransport:
         running = int(self.status[w.index, 0])  # no writer is left: read what it was doing
         for sent in w.sent:
             self.regions.release(sent)
-            if sent.pinned:
-                self.inputs.release_many(sent.pinned)
-                sent.pinned = []
+            self._unpin(sent)
         w.sent.clear()
         why = None if w.up else self._init_error(w, code)
         self._events.append(Died(w.index, pid, code, running, startup_error=why, reported=w.init_error is not None))

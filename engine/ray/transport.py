@@ -32,7 +32,7 @@ from slabpool.engine.core.admission import MAX_GROUP
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.states import KillReason
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Died, Done, Event, InHand, Outcome, Ready, Room, Unsendable
+from slabpool.engine.core.transport import Died, Done, Event, InHand, Outcome, Ready, Room, Unsendable, sooner
 from slabpool.engine.ray.actor import ActorBatch, ActorReady, CallTask, SlotActor
 from slabpool.engine.ray.placement import placeable, resources, slot_request
 from slabpool.workers import errors as E
@@ -195,9 +195,7 @@ class RayTransport:
     def wait(self, timeout: float | None) -> list[Event]:
         now = time.monotonic()
         pings = [a.ping_at for a in self._actors if a.ping_at is not None]
-        if pings:
-            due = max(min(pings) - now, 0.0)
-            timeout = due if timeout is None else min(timeout, due)
+        timeout = sooner(timeout, pings, now)
         if not self._events:
             try:
                 self._on(self._inbox.get(timeout=timeout))
