@@ -2,10 +2,15 @@
 `slabpool serve` (docs/serve.md). Each candidate serves the same POST (read the body, answer a
 fixed JSON) with no model behind it, under the same wrk load, twice in alternation:
 
-    raw-httptools   a plain ASGI app on uvicorn, httptools parser, uvloop    (what serve uses)
+    raw-joined      the same app on uvicorn, httptools, uvloop, with serve's protocol class
+                    (engine/serve/uvproto.py: an answer's head and body in one write)    (what serve uses)
+    raw-httptools   the same app on uvicorn's own httptools protocol (two writes an answer)
     raw-h11         the same app on uvicorn's pure-Python h11 parser, asyncio loop
     starlette       a Starlette Route (Request.body(), Response) on uvicorn, httptools, uvloop
     protocol        an asyncio Protocol on httptools' parser, uvloop, no ASGI  (the servefast branch's h1.py: not kept)
+    granian         the same ASGI app on granian (Rust HTTP), embedded in the uvloop loop as serve
+                    would embed it (granian.server.embed, one runtime thread); only with
+                    --granian-python, a Python that has granian (it is no extra of this project)
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from bench.serve import LUA, _free_port, _http, wrk
 
 ANSWER = b'{"model_name":"mlp","outputs":[{"name":"probs","datatype":"FP32","shape":[1,8],"data":[0.1,0.2]}]}'
 APP = """
-import sys, uvicorn
+import sys
 ANSWER = {answer!r}
 async def raw(scope, receive, send):
     if scope["type"] != "http":
@@ -66,29 +71,46 @@ if kind == "protocol":
     uvloop.run(main())
     sys.exit()
 app = starlette() if kind == "starlette" else raw
+if kind == "granian":
+    import asyncio, uvloop
+    from granian.constants import Interfaces
+    from granian.server.embed import Server
+    async def main():
+        await Server(raw, address="127.0.0.1", port=port, interface=Interfaces.ASGI, log_enabled=False,
+                     websockets=False).serve()
+    uvloop.run(main())
+    sys.exit()
+import uvicorn
 http, loop = ("h11", "asyncio") if kind == "raw-h11" else ("httptools", "uvloop")
+if kind == "raw-joined":
+    from slabpool.engine.serve.uvproto import JoinedHttpToolsProtocol as http
 uvicorn.run(app, host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning", access_log=False,
             lifespan="off")
 """
-KINDS = ("protocol", "raw-httptools", "raw-h11", "starlette")
+KINDS = ("protocol", "raw-joined", "raw-httptools", "raw-h11", "starlette", "granian")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_stacks")
     p.add_argument("--duration", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", type=lambda s: s.split(","), default=list(KINDS[:-1]), help="kinds, comma-separated")
+    p.add_argument("--granian-python", help="a Python with granian installed (for the granian kind)")
     args = p.parse_args(argv)
+    if "granian" in args.only and not args.granian_python:
+        p.error("the granian kind needs --granian-python (granian is no extra of this project)")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "body.json").write_bytes(b'{"inputs":[{"name":"x","shape":[1,16],"datatype":"FP32","data":[' +
                                         b",".join([b"0.5"] * 16) + b"]}]}")
         (tmp / "post.lua").write_text(LUA.format(body=tmp / "body.json"))
         (tmp / "app.py").write_text(APP.format(answer=ANSWER))
-        rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}
+        rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in args.only}
         for _ in range(args.rounds):
-            for kind in KINDS:
+            for kind in args.only:
                 port = _free_port()
-                proc = subprocess.Popen([sys.executable, str(tmp / "app.py"), kind, str(port)])
+                python = args.granian_python if kind == "granian" else sys.executable
+                proc = subprocess.Popen([python, str(tmp / "app.py"), kind, str(port)])
                 try:
                     url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
                     while _http("POST", url, b"{}")[0] != 200:

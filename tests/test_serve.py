@@ -693,6 +693,80 @@ def test_http11_connection_behaviours(server, case):
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
 
 
+def _writes(pid: int) -> int:
+    """Write syscalls (write, writev, ...) the process's main thread has made: the kernel's count."""
+    io = open(f"/proc/{pid}/task/{pid}/io").read()  # the event loop's thread is the main thread
+    return int(next(line for line in io.splitlines() if line.startswith("syscw:")).split()[1])
+
+
+@pytest.mark.parametrize("request_line", [
+    b"GET /v2/health/live", b"GET /v2/health/ready", b"GET /v2", b"GET /v2/models/mlp", b"GET /v2/models/mlp/ready",
+    b"GET /v2/models/nope/ready", b"GET /metrics",
+])
+def test_each_answer_leaves_in_one_write(server, request_line):
+    """An answer's head and body go out in one write (uvproto.py), not one each (uvicorn's own
+    protocol: 2 per answer): counted by the kernel for the server's event loop thread, over
+    answers of every kind that touch no engine (an inference also wakes the owner thread,
+    another write): constant bytes, JSON built per request, a 404 error, the metrics text."""
+    n = 20
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(n + 1):
+            if i == 1:  # the connection is up and one answer is out: count from here
+                before = _writes(server.proc.pid)
+            s.sendall(request_line + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += s.recv(65536)
+            head, body = buf.split(b"\r\n\r\n", 1)
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+            while len(body) < length:
+                body += s.recv(65536)
+        assert _writes(server.proc.pid) - before == n
+
+
+@pytest.mark.parametrize("sizes", [(13,), (120, 900), (120, 3 * 2**20), (5, 6, 7, 70_000)])
+def test_joined_writes_hold_until_flushed_and_lose_nothing(sizes):
+    """uvproto.JoinedWrites on a real uvloop transport: what is written is held (nothing on the
+    socket yet), then leaves whole and in order at the loop's next turn (a lone interim line,
+    a streamed chunk: nothing waits past it), large ones by writelines; what is written just
+    before close() is flushed before the connection ends."""
+    import asyncio
+
+    import uvloop
+
+    from slabpool.engine.serve.uvproto import JoinedWrites
+
+    parts = [bytes([65 + i]) * n for i, n in enumerate(sizes)]
+
+    async def read(sock: socket.socket, n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            chunk = await asyncio.get_running_loop().sock_recv(sock, 2**20)
+            assert chunk, got[-50:]
+            got += chunk
+        return got
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ours, peer = socket.socketpair()
+        peer.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+        joined = JoinedWrites(transport, loop)  # type: ignore[arg-type]
+        for part in parts:
+            joined.write(part)
+        with pytest.raises(BlockingIOError):
+            peer.recv(1)  # held
+        assert await read(peer, sum(sizes)) == b"".join(parts)
+        joined.write(b"last")
+        joined.close()
+        assert await read(peer, 4) == b"last"
+        assert await loop.sock_recv(peer, 10) == b""  # then the end of the connection
+        peer.close()
+
+    uvloop.run(main())
+
+
 class _Broken:
     """A front end with a bug in two routes (a fault at a chosen stage: the sync metadata route,
     and the repository index, which reads a body first); every other route is the real one."""

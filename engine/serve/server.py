@@ -29,6 +29,7 @@ import uvicorn
 from slabpool.engine.serve.core import Frontend
 from slabpool.engine.serve.grpc import GrpcService
 from slabpool.engine.serve.http import HttpApp
+from slabpool.engine.serve.uvproto import JoinedHttpToolsProtocol
 
 log = logging.getLogger("slabpool.engine.serve")
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -60,12 +61,14 @@ class _Uvicorn(uvicorn.Server):
 
 
 def http_server(app: HttpApp) -> uvicorn.Server:
-    """uvicorn as serve runs it: httptools' parser (the event loop is the caller's: uvloop), no
-    lifespan, no websockets, no access log of its own (--access-log is the server's), and no
-    proxy-headers middleware (its X-Forwarded-* rewrite of the client address, which nothing
-    here reads, was a middleware call per request: ~10 us, docs/serve.md)."""
+    """uvicorn as serve runs it: its httptools protocol with each answer in one write
+    (uvproto.py; the event loop is the caller's: uvloop), no lifespan, no websockets, no access
+    log of its own (--access-log is the server's), and no proxy-headers middleware (its
+    X-Forwarded-* rewrite of the client address, which nothing here reads, was a middleware
+    call per request: ~10 us, docs/serve.md)."""
     return _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                   http="httptools", ws="none", proxy_headers=False, timeout_graceful_shutdown=5))
+                                   http=JoinedHttpToolsProtocol, ws="none", proxy_headers=False,
+                                   timeout_graceful_shutdown=5))
 
 
 async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -> bool:

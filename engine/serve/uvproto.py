@@ -1,0 +1,80 @@
+"""uvicorn's httptools protocol, with each answer leaving in one write instead of two.
+
+An ASGI answer is two messages, `http.response.start` (the head) and `http.response.body`, and
+uvicorn writes each to the transport as it comes: two `write` calls, and on loopback two
+deliveries to the client, which wakes for a head it cannot use yet (seen with strace; uvloop
+writes at once when nothing is buffered). This protocol is uvicorn's own (`Config(http=...)`
+takes a protocol class), given a transport that holds what is written until the answer is
+complete, then hands it on in one `writelines` (one `writev`):
+
+    cycle.send(start)  -> write(head)     held
+    cycle.send(body)   -> write(body)     held
+    on_response_complete                  flushed: one writev, then uvicorn's own step
+
+Nothing else changes: every other call goes to the real transport, and whatever is held is
+flushed first by close() and write_eof(), and at the latest at the loop's next turn (a
+100-continue interim line, a streamed answer's chunks, an error uvicorn writes itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+JOIN_BYTES = 64 * 1024
+
+
+class JoinedWrites:
+    """A transport that holds writes until flush() (scheduled at the first held write)."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)  # nothing may wait past this turn
+        self._held.append(data)
+
+    def flush(self) -> None:
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        if len(held) == 1:
+            self._transport.write(held[0])
+        elif sum(map(len, held)) <= JOIN_BYTES:  # a copy this small is cheaper than writelines
+            self._transport.write(b"".join(held))
+        else:
+            self._transport.writelines(held)  # one writev, no copy of a large body
+
+    def is_closing(self) -> bool:  # asked several times an answer: not through __getattr__
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
+        return getattr(self._transport, name)
+
+
+class JoinedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol on a JoinedWrites transport: a complete answer is flushed
+    the moment uvicorn marks it complete, before it starts the next pipelined request."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
+
+    def on_response_complete(self) -> None:
+        self.transport.flush()  # type: ignore[attr-defined]
+        super().on_response_complete()
