@@ -80,6 +80,7 @@ class Frontend:
         self.draining = False
         self.inflight = 0
         self._idle: asyncio.Event | None = None
+        self._names = frozenset(repo)  # the models are fixed at start (a reload keeps the name)
 
     # -- health and metadata --------------------------------------------------------------------
 
@@ -139,32 +140,33 @@ class Frontend:
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(self, req: InferRequest) -> InferResponse:
+        """One request on its model's engine: checked, run under its timeout, its outputs
+        selected. Engine.infer_async is awaited here, not in a helper coroutine: each level is
+        a frame to enter and leave on the request's path (docs/serve.md)."""
         if self.draining:
             raise Unavailable("the server is draining (SIGTERM): it accepts no new request")
         served = self.repo[req.model]
         served.check_version(req.version)
-        _check_outputs(served, req.outputs)
+        if req.outputs is not None:
+            _check_outputs(served, req.outputs)
+        eng = served.engine
         self.inflight += 1
         try:
-            outputs = await self._run(served, req)
-        finally:
-            self.inflight -= 1
-            if self._idle is not None and not self.inflight:
-                self._idle.set()
-        return InferResponse(req.model, served.version, req.id, _select(outputs, req))
-
-    async def _run(self, served: Served, req: InferRequest) -> Any:
-        eng = served.engine
-        try:
             if req.timeout is None:
-                return await eng.infer_async(req.inputs)
-            async with asyncio.timeout(req.timeout):  # the engine's deadline covers the queue, this the rest
-                return await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
+                outputs = await eng.infer_async(req.inputs)
+            else:
+                async with asyncio.timeout(req.timeout):  # the engine's deadline covers the queue, this the rest
+                    outputs = await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
         except TimeoutError as exc:  # asyncio's, or the engine's TaskTimeout (a deadline, --task-timeout)
             why = str(exc) or f"the request's timeout ({(req.timeout or 0) * 1e6:.0f} us) passed"
             raise ServeError(why, Status.DEADLINE_EXCEEDED) from None
         except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer, not the server's
             raise from_engine(exc) from None
+        finally:
+            self.inflight -= 1
+            if self._idle is not None and not self.inflight:
+                self._idle.set()
+        return InferResponse(req.model, served.version, req.id, _select(outputs, req))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Draining: True once every accepted request has been answered, False at `timeout`."""
@@ -183,9 +185,9 @@ class Frontend:
     def record(self, model: str, transport: str, status: Status, started: float, request_id: str = "") -> None:
         """One answered request: its counters, its latency, its access log line (if on)."""
         seconds = time.perf_counter() - started
-        if model not in self.repo:  # a label per name a client made up would grow without bound
+        if model not in self._names:  # a label per name a client made up would grow without bound
             model = ""
-        code = str(status.http) if transport == "http" else status.grpc
+        code = _HTTP_CODES[status] if transport == "http" else status.grpc
         self.metrics.observe(model, transport, code, seconds)
         if self.log_access:
             access_log.info(orjson.dumps({
@@ -205,12 +207,13 @@ def timeout_param(us: Any) -> float | None:
 
 
 EXTENSIONS = ("binary_tensor_data", "model_repository", "parameters")
+_HTTP_CODES = {s: str(s.http) for s in Status}
 
 
-def _check_outputs(served: Served, outputs: list[Requested] | None) -> None:
+def _check_outputs(served: Served, outputs: list[Requested]) -> None:
     """Outputs asked for that the model does not have: 400 before anything runs (a postprocess
     may return other names: then they are checked against what it returned)."""
-    if outputs is None or served.engine.config.postprocess is not None:
+    if served.engine.config.postprocess is not None:
         return
     known = [s.name for s in served.engine.describe().outputs]
     for r in outputs:
