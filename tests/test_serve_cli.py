@@ -54,3 +54,29 @@ def test_without_the_serve_extra_it_says_what_to_install(models):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "slabpool serve: error: slabpool serve needs uvicorn: pip install 'slabpool[serve]'" in out.stderr
+
+
+def _serve_args(*argv: str):
+    from slabpool.engine.job.cli import build_parser
+
+    return build_parser().parse_args(["serve", "m.onnx", *argv])
+
+
+@pytest.mark.parametrize("argv,size,wait", [
+    ((), 1, 0.0),  # batching off, as Triton and MLServer ship
+    (("--max-batch-size", "8"), 8, 0.0),  # on: what is queued is taken, nothing waits (was 2 ms)
+    (("--max-batch-size", "8", "--max-batch-wait-ms", "2.5"), 8, 2.5),
+    (("--max-batch-wait-ms", "0"), 1, 0.0),
+])
+def test_dynamic_batching_is_off_by_default_and_never_waits_unless_told(argv, size, wait):
+    """serve's batching defaults are a model server's (docs/serve.md): off, and once on with
+    --max-batch-size, Triton's max_queue_delay of 0, so that batching adds no wait at low load."""
+    args = _serve_args(*argv)
+    assert (args.max_batch_size, args.max_batch_wait_ms) == (size, wait)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_bad_batch_wait_is_refused_by_the_command_line(value, capsys):
+    with pytest.raises(SystemExit):
+        _serve_args("--max-batch-wait-ms", value)
+    assert "--max-batch-wait-ms" in capsys.readouterr().err

@@ -16,7 +16,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SERVE_EXAMPLES = """\
 examples:
   slabpool serve model.onnx                          HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001
-  slabpool serve resnet=r50.onnx mlp.onnx --workers 4 --max-batch-size 8
+  slabpool serve resnet=r50.onnx mlp.onnx --workers 4 --max-batch-size 8   (dynamic batching)
   slabpool serve model.onnx --http-port 0 --grpc-port 0     (free ports, printed at start)
 
 Status codes: 400 bad request or input contract; 404 unknown model; 500 the model failed or
@@ -36,6 +36,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port 0-65535 (0: any free port), got {text}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be milliseconds >= 0, got {text}")
     return value
 
 
@@ -64,9 +71,11 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="when the queue is full: reject (503 at once, the default) or block (wait for room, "
                         "up to the request's timeout)")
     p.add_argument("--max-batch-size", type=_positive_int, default=1,
-                   help="concurrent requests stacked into one model call (dynamic batching; default 1)")
-    p.add_argument("--max-batch-wait-ms", type=float, default=2.0,
-                   help="how long a batch may wait to fill (default 2 ms)")
+                   help="concurrent requests stacked into one model call (dynamic batching; default 1: off, "
+                        "as in Triton and MLServer)")
+    p.add_argument("--max-batch-wait-ms", type=_milliseconds, default=0.0,
+                   help="how long a batch may wait for more requests to fill it (default 0: it takes what is "
+                        "queued and never waits, as Triton's max_queue_delay_microseconds)")
     p.add_argument("--max-attempts", type=_positive_int, default=3,
                    help="worker deaths a request may cause before it fails with 500 (default 3)")
     p.add_argument("--task-timeout", type=_positive_float, help="seconds a request may run in a worker")
