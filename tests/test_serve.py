@@ -13,6 +13,7 @@ import json
 import socket
 import struct
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -765,6 +766,69 @@ def test_joined_writes_hold_until_flushed_and_lose_nothing(sizes):
         peer.close()
 
     uvloop.run(main())
+
+
+@pytest.mark.parametrize("how", ["close", "shutdown-write", "reset"])
+def test_the_protocol_tells_a_waiting_app_its_client_went_away(how):
+    """uvproto's DISCONNECT extension, on serve's own uvicorn setup: an app waiting on a request
+    (nothing read from receive() after the body, no watcher task) has its callback called when
+    the client closes, half-closes or resets the connection; a request answered first leaves
+    no callback behind."""
+    import asyncio
+    import threading
+
+    import uvloop
+
+    from slabpool.engine.serve import server as serve_server
+    from slabpool.engine.serve.uvproto import DISCONNECT
+
+    told = threading.Event()
+    waiting = threading.Event()
+    registered: list[list[Any]] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        on_lost = scope["extensions"][DISCONNECT]
+        registered.append(on_lost)
+        if scope["path"] == "/quick":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        gone = asyncio.Event()
+        on_lost.append(gone.set)
+        waiting.set()
+        await gone.wait()
+        on_lost.remove(gone.set)
+        told.set()
+
+    http = serve_server.http_server(app)
+    sock = socket.create_server(("127.0.0.1", 0))
+    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
+    t.start()
+    try:
+        while not http.started:
+            assert t.is_alive()
+            t.join(0.01)
+        where = SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
+        assert _exchange(where, b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][1] == b"ok"
+        c = socket.create_connection(("127.0.0.1", where.http_port), timeout=30)
+        c.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert waiting.wait(30)  # only a deadlock reaches these timeouts
+        if how == "reset":
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if how == "shutdown-write":
+            c.shutdown(socket.SHUT_WR)
+        else:
+            c.close()
+        assert told.wait(30)
+        c.close()
+        assert registered[0] == []  # the quick request's connection: nothing left to call
+    finally:
+        http.should_exit = True
+        t.join(30)
+        sock.close()
 
 
 class _Broken:

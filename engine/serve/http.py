@@ -11,9 +11,9 @@
 No framework routes it: the paths are few and fixed, and a router's per-request matching
 costs more than this whole dispatch (the choice is measured in docs/serve.md). uvicorn owns
 HTTP/1.1 itself (keep-alive, pipelining, 100-continue, HEAD, chunked bodies, flow control,
-timeouts). Health and metadata answer without reading a body. While an inference waits, the
-connection is watched (once it has waited 5 ms): a client that disconnects cancels its
-request (queued: it never runs).
+timeouts). Health and metadata answer without reading a body. While an inference waits, a
+client that disconnects cancels its request (queued: it never runs): serve's protocol
+(uvproto.py) calls back when the connection is lost.
 A body past --max-request-bytes is refused (413) by its Content-Length before it is read, or as
 soon as a chunked body passes the limit: never buffered whole. A route that raises answers 500
 with the protocol's error object and the connection lives on (uvicorn's own 500 closes it).
@@ -37,6 +37,7 @@ from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
 from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status, TooLarge
 from slabpool.engine.serve.metrics import CONTENT_TYPE
+from slabpool.engine.serve.uvproto import DISCONNECT
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -124,7 +125,7 @@ class HttpApp:
             body = await _body(scope, receive, self.max_request_bytes)
             req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
             request_id = req.id
-            resp = await _watching(receive, fe.infer(req))
+            resp = await _watching(scope, fe.infer(req))
             payload, header_len = encode_response(resp)
         except ServeError as exc:
             if exc.status is not Status.CANCELLED:
@@ -148,30 +149,24 @@ def _internal(exc: Exception) -> tuple[Status, dict[str, str]]:
     return Status.INTERNAL, {"error": f"internal error: {exc!r}"}
 
 
-WATCH_AFTER_S = 0.005  # an inference answered sooner is never watched (a watcher is a task: ~20 us)
-
-
-async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferResponse:
-    """Await `work` in this task; once it has waited WATCH_AFTER_S, a watcher reads the
-    connection: a disconnect of the client cancels this task, and so the request's engine task
-    (queued: it never runs). The watcher needs a task of its own (uvicorn's receive is a
-    coroutine), so it starts only for a request that waits: most at low load are answered first."""
+async def _watching(scope: Scope, work: Awaitable[InferResponse]) -> InferResponse:
+    """Await `work` in this task; if the client disconnects meanwhile, this task is cancelled,
+    and so the request's engine task (queued: it never runs). The protocol says so at once
+    (uvproto.DISCONNECT, a callback: no watcher task, no timer); under a server that does not
+    offer the extension a disconnect goes unnoticed until the answer is written."""
+    on_lost = scope.get("extensions", {}).get(DISCONNECT)
+    if on_lost is None:
+        return await work
     me = asyncio.current_task()
     assert me is not None
     gone = False
-    watcher: asyncio.Future[None] | None = None
 
-    async def watch() -> None:
+    def lost() -> None:
         nonlocal gone
-        if (await receive())["type"] == "http.disconnect":  # the body is read: only this can come
-            gone = True
-            me.cancel()
+        gone = True
+        me.cancel()
 
-    def start() -> None:
-        nonlocal watcher
-        watcher = asyncio.ensure_future(watch())
-
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
+    on_lost.append(lost)
     try:
         return await work
     except asyncio.CancelledError:
@@ -180,9 +175,7 @@ async def _watching(receive: Receive, work: Awaitable[InferResponse]) -> InferRe
         me.uncancel()
         raise ServeError("the client disconnected; its request was cancelled", Status.CANCELLED) from None
     finally:
-        timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
+        on_lost.remove(lost)
 
 
 def _model_path(parts: list[str]) -> tuple[str, str, list[str]]:
