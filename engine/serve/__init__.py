@@ -20,6 +20,7 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     core        the one inference path, health, repository,    models   engines, readiness, metadata, reload
                 accounting
     http / grpc the two transports                             tensors  wire <-> numpy
+    uvproto     uvicorn's protocol as serve runs it: one write an answer, the disconnect told
     errors      status codes of both transports                metrics  /metrics
     proto/      the vendored .proto files and protoc's message code (generate.py)
 """

@@ -33,7 +33,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 JOIN_BYTES = 64 * 1024
-DISCONNECT = "slabpool.disconnect"  # the scope extension: callbacks to run when the client goes away
+DISCONNECT = "slabpool_disconnect"  # the scope extension: callbacks to run when the client goes away
 
 
 class JoinedWrites:
