@@ -382,6 +382,42 @@ def test_metrics_count_requests_by_model_transport_and_code(server):
     assert 'slabpool_tasks_completed_total{model="multi_io"}' in text
 
 
+@pytest.mark.parametrize("created", [True, False])
+def test_request_metrics_text_is_prometheus_clients_own(created, monkeypatch):
+    """The request families are counted in plain lists and built at /metrics (metrics.py); their
+    text is what prometheus_client's own Counter and Histogram write for the same requests (the
+    `_created` timestamps aside, and without them when they are turned off): values on a
+    bucket's bound, under the first, past the last, series by model, transport and code."""
+    import re
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import metrics as client_metrics
+
+    from slabpool.engine.serve.metrics import BUCKETS, RequestMetrics
+
+    monkeypatch.setattr(client_metrics, "_use_created", created)  # as disable_created_metrics() sets it
+    reg = CollectorRegistry(auto_describe=True)
+    count = Counter("slabpool_serve_requests", "Requests answered, by model, transport and status code.",
+                    ["model", "transport", "code"], registry=reg)
+    latency = Histogram("slabpool_serve_request_seconds",
+                        "Seconds from a request's arrival to its answer, by model and transport.",
+                        ["model", "transport"], buckets=BUCKETS, registry=reg)
+    ours = RequestMetrics()
+    seen = [("mlp", "http", "200", v) for v in (BUCKETS[0], BUCKETS[0] / 2, BUCKETS[3], BUCKETS[3] * 1.01,
+                                                BUCKETS[-1] * 2)]
+    seen += [("", "grpc", "INTERNAL", 0.25), ("mlp", "http", "400", 0.001), ("mlp", "grpc", "OK", 0.0)]
+    for model, transport, code, v in seen:
+        ours.observe(model, transport, code, v)
+        count.labels(model, transport, code).inc()
+        latency.labels(model, transport).observe(v)
+
+    def text(raw: bytes) -> str:
+        return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", raw.decode())
+
+    assert text(ours.render()) == text(generate_latest(reg))
+    assert ("_created{" in text(ours.render())) is created
+
+
 def test_bytes_length_prefix_codec_round_trips():
     from slabpool.engine.serve import tensors
 

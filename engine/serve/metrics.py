@@ -18,11 +18,14 @@ here needs a lock.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as client_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from slabpool.engine.core import metrics as engine_metrics
 
@@ -32,19 +35,21 @@ _LE = [repr(float(b)) for b in BUCKETS] + ["+Inf"]
 
 
 class _Latency:
-    """One (model, transport)'s histogram: counts per bucket (the last is +Inf) and their sum."""
+    """One (model, transport)'s histogram: counts per bucket (the last is +Inf), their sum, and
+    when the series began (its `_created` sample, as prometheus_client's own types give)."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("counts", "created", "sum")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.sum = 0.0
+        self.created = time.time()
 
 
 class RequestMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._requests: dict[tuple[str, str, str], int] = {}
+        self._requests: dict[tuple[str, str, str], list[float]] = {}  # [count, created]
         self._latency: dict[tuple[str, str], _Latency] = {}
         self.registry.register(self)
 
@@ -54,7 +59,10 @@ class RequestMetrics:
     def observe(self, model: str, transport: str, code: str, seconds: float) -> None:
         """One answered request (on the event loop thread)."""
         key = (model, transport, code)
-        self._requests[key] = self._requests.get(key, 0) + 1
+        count = self._requests.get(key)
+        if count is None:
+            count = self._requests[key] = [0, time.time()]
+        count[0] += 1
         hist = self._latency.get((model, transport))
         if hist is None:
             hist = self._latency[(model, transport)] = _Latency()
@@ -62,22 +70,28 @@ class RequestMetrics:
         hist.sum += seconds
 
     def collect(self) -> Iterator[Metric]:
-        """The request families, for prometheus_client's registry (read at /metrics)."""
+        """The request families, for prometheus_client's registry (read at /metrics); with
+        their `_created` series unless prometheus_client's own are off
+        (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics())."""
+        created = getattr(client_metrics, "_use_created", True)
         requests = CounterMetricFamily("slabpool_serve_requests",
                                        "Requests answered, by model, transport and status code.",
                                        labels=["model", "transport", "code"])
-        for key, n in sorted(self._requests.items()):
-            requests.add_metric(list(key), n)
+        for key, (n, since) in self._requests.items():  # in the order first seen
+            requests.add_metric(list(key), n, created=since if created else None)
         yield requests
         latency = HistogramMetricFamily("slabpool_serve_request_seconds",
                                         "Seconds from a request's arrival to its answer, by model and transport.",
                                         labels=["model", "transport"])
-        for pair, hist in sorted(self._latency.items()):
+        for pair, hist in self._latency.items():
             total, buckets = 0, []
             for le, c in zip(_LE, hist.counts, strict=True):
                 total += c
                 buckets.append((le, total))
             latency.add_metric(list(pair), buckets, hist.sum)
+            if created:
+                labels = dict(zip(("model", "transport"), pair, strict=True))
+                latency.samples.append(Sample("slabpool_serve_request_seconds_created", labels, hist.created))
         yield latency
 
     def describe(self) -> list[Metric]:
