@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("servers", nargs="+", metavar="NAME=SPEC")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--duration", type=float, default=3.0, help="seconds of load per server per round")
+    p.add_argument("--duration", type=int, default=3, help="whole seconds of load per server per round (wrk)")
     p.add_argument("--venv", type=Path, default=S.DEFAULT_VENV, help="the throwaway venv for MLServer and FastAPI")
     args = p.parse_args(argv)
     specs = [s.split("=", 1) for s in args.servers]

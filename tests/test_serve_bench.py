@@ -1,5 +1,6 @@
-"""`python -m bench.serve` runs end to end (slabpool only, a second of load): the benchmark of
-docs/serve.md does not rot. It needs Debian's `wrk`; without it the case is skipped."""
+"""`python -m bench.serve` and `python -m bench.serve_ab` run end to end (slabpool only, a second
+of load): the benchmarks of docs/serve.md do not rot. They need Debian's `wrk`; without it the
+cases are skipped."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_serving_benchmark_smoke_runs(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "bench.serve", "--only", "slabpool", "--duration", "1",
-                    "--concurrency", "1,8", "--crash-seconds", "3", "--out", str(out)],
+                    "--concurrency", "1,8", "--crash-seconds", "3", "--overhead-requests", "200", "--out", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=240)
     result = json.loads(out.read_text())["servers"]["slabpool"]
     assert result["correct"] and [x["concurrency"] for x in result["loads"]] == [1, 8]
@@ -27,3 +28,13 @@ def test_the_serving_benchmark_smoke_runs(tmp_path: Path) -> None:
     crash = result["crash"]
     assert crash["kills"] >= 1 and crash["load"]["non_2xx"] == 0 and crash["load"]["lost"] == 0
     assert crash["serving_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="needs wrk (apt-get install wrk)")
+def test_the_side_by_side_benchmark_smoke_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.serve_ab", "--rounds", "1", "--duration", "1",
+                          "--concurrency", "2", "this=.", "batched=. --max-batch-size 4"],
+                         cwd=REPO, check=True, capture_output=True, text=True, timeout=240).stdout
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"this", "batched"} <= set(rows), out
