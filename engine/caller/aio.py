@@ -6,6 +6,9 @@
         (admitted at once: locks           submit(inputs, block_timeout=left)
          and a small copy only)             waits for room like a sync caller
      B  Future --add_done_callback--> loop.call_soon_threadsafe --> asyncio future  <== step 9
+        (an idle local engine lends the slot to the loop, engine.core.fastpath: a reader on its
+         pipe; steps 8-9 on the loop thread, which never waits for the owner lock: held, the
+         lend goes back to the owner thread; the asyncio future is then set at once)
      C  the awaiting coroutine is cancelled (timeout scope, client gone, task.cancel()):
           Future.cancel()    queued: it never runs (the engine drops it from its queue)
           else eng.cancel()  running: it ends at once with TaskCancelled, its result is never
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import os
 import queue
 import threading
 import time
@@ -74,7 +78,7 @@ async def submit_async(
     """`BaseEngine.submit_async()`: admit without blocking the loop, then await the task
     (cancelling the awaiting coroutine cancels it)."""
     loop = asyncio.get_running_loop()
-    fut = await _admit(eng, loop, inputs, context, deadline, block_timeout)
+    fut = await _admit(eng, loop, inputs, context, deadline, block_timeout, lend=True)
     return await _await_task(eng, loop, fut)
 
 
@@ -125,13 +129,17 @@ async def _admit(
     context: dict[str, Any] | None,
     deadline: float | None,
     block_timeout: float | None,
+    lend: bool = False,
 ) -> Future[Result]:
     """The engine's Future for `inputs`: accepted on the loop thread when that cannot wait,
-    else on the admission lane (as a sync caller would be), without blocking the loop."""
+    else on the admission lane (as a sync caller would be), without blocking the loop.
+    `lend`: the caller awaits it at once, and its slot may be lent to this loop (`_watch_lend`)."""
     lane = _lanes(eng).admit
     if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
+        submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
+        lending = getattr(eng, "_lending_submit", None) if lend else None
         try:
-            return eng.submit(inputs, context=context, deadline=deadline, block_timeout=0)
+            return lending(submit) if lending is not None else submit()
         except QueueFull:
             if block_timeout == 0:
                 raise
@@ -193,8 +201,12 @@ def _bridge(loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> asyncio.Fut
     A Future cancelled by someone else (`eng.cancel`, `close`) ends it with TaskCancelled,
     never with asyncio.CancelledError: that one means "this coroutine was cancelled"."""
     waiter: asyncio.Future[Result] = loop.create_future()
+    loop_thread = threading.get_ident()  # (made on the loop's thread)
 
     def relay(done: Future[Result]) -> None:
+        if threading.get_ident() == loop_thread:  # completed on the loop itself (a lent slot)
+            _settle(waiter, done)
+            return
         try:
             loop.call_soon_threadsafe(_settle, waiter, done)
         except RuntimeError:
@@ -219,11 +231,43 @@ def _settle(waiter: asyncio.Future[Result], done: Future[Result]) -> None:
 
 async def _await_task(eng: _Host, loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> Result:
     waiter = _bridge(loop, fut)
+    lend = getattr(fut, "lend", None)
+    if lend is not None:
+        _watch_lend(loop, lend)
     try:
         return await waiter
     except asyncio.CancelledError:
         _cancel_task(eng, fut)
         raise
+
+
+def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
+    """The loop is the lender of a slot (engine.core.fastpath.Lend): the worker's answer
+    wakes the loop itself (a reader on the dup of the slot's pipe) and the loop runs steps 8-9
+    (`Lend.look`, which never waits for the owner lock). The Future then completes on the loop
+    thread and `_bridge` settles the waiter at once. The owner ends a lend through `wake`
+    (call_soon_threadsafe): the reader goes, and the Future completes as any other. It does
+    not depend on the awaiting coroutine: cancelled, the task ends here all the same."""
+    fd, watched = lend.fd, [True]
+
+    def look() -> None:
+        if not watched[0]:
+            return
+        lend.look()
+        if lend.over or lend.abandoned:
+            watched[0] = False
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(look)
+
+    lend.loop_lend(time.monotonic())
+    lend.wake = wake
+    loop.add_reader(fd, look)
+    if lend.over:
+        look()
 
 
 def _cancel_task(eng: _Host, fut: Future[Result]) -> None:

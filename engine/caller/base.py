@@ -273,12 +273,16 @@ class BaseEngine:
         array, say); it yields their outputs in order with a bounded number in flight, a
         block per task (`chunk=1`)."""
         if batch_size is None:
-            outputs: Outputs = self.submit(inputs, **kw).result().outputs
-            return outputs
+            return self._call(inputs, kw)
         unknown = set(kw) - {"context", "block_timeout"}
         if unknown:
             raise TypeError(f"infer(batch_size=...) takes context and block_timeout, not {sorted(unknown)}")
         return blocks.infer_rows(self, self._specs, inputs, batch_size, kw.get("context"), kw.get("block_timeout"))
+
+    def _call(self, inputs: Any, kw: dict[str, Any]) -> Outputs:
+        """infer() of one task (a backend may wait on its slot itself: engine.local.pool)."""
+        outputs: Outputs = self.submit(inputs, **kw).result().outputs
+        return outputs
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -71,6 +72,14 @@ def submit(eng: BaseEngine, inputs: Any, fault: FaultSpec | None, *, context: di
            deadline: float | None = None, block_timeout: float | None = None) -> Future[Result]:
     """`eng.submit(inputs, ...)`, the task carrying `fault` (None: a plain task)."""
     return eng._submit(Request(inputs, context, deadline, block_timeout, fault=fault))
+
+
+def infer(eng: BaseEngine, inputs: Any, fault: FaultSpec | None) -> Any:
+    """`eng.infer(inputs)`, the task carrying `fault`: the same call path (a local engine's
+    slot may be lent to this caller, engine.core.fastpath)."""
+    submit = functools.partial(eng._submit, Request(inputs, fault=fault))
+    lent_call = getattr(eng, "_lent_call", None)
+    return lent_call(submit) if lent_call is not None else submit().result().outputs
 
 
 def set_init_fault(eng: BaseEngine, fault: FaultSpec | None) -> None:

@@ -56,6 +56,7 @@ class TaskFuture(Future[Result]):
     queue (a subclass, not a done-callback: no callback to register and call per task)."""
 
     slabpool_task: Task
+    lend: Any = None  # the slot lent to its caller (engine.core.fastpath.Lend), if it was
 
     def __init__(self, engine: weakref.ReferenceType[BaseEngine]) -> None:
         super().__init__()

@@ -9,6 +9,11 @@
       transport   engine.core.transport.SlotTransport: the backend (processes, or Ray actors)
       slots       engine.core.slots.SlotRecord: each slot's state (one table), its batches
 
+The owner is a role (engine.core.fastpath): whoever holds `thread.lock` acts. The thread
+holds it for its step except while it waits in the transport; an idle engine's caller that
+finds it free dispatches its own task and, where the transport lends the slot, reads the
+answer itself with the same code (`fast`, `handle`).
+
 One step: wait on the transport until its next event or the next timer; run the callers'
 calls; handle each event (Ready, Done, Died: the crash path a-d is here, `_on_died`); the
 timers; dispatch; publish counts and complete Futures. Who is charged after a death is the
@@ -28,13 +33,14 @@ from slabpool.engine.core import recovery, stopping
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.dispatcher import Dispatcher
+from slabpool.engine.core.fastpath import FastPath
 from slabpool.engine.core.ledger import TaskLedger, crash_error
 from slabpool.engine.core.owner import OwnerThread
 from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import KillReason, SlotEvent, SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Died, Done, Ready, SlotTransport
+from slabpool.engine.core.transport import Died, Done, Event, Ready, SlotTransport
 from slabpool.engine.core.watchdog import Watchdog
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash, crash_hint, describe_exit
@@ -58,6 +64,7 @@ class Coordinator:
         self.dispatcher = Dispatcher(cfg, queue, self.ledger, transport, self.slots, self.kill)
         self.watchdog = Watchdog(cfg, queue, self.slots, transport, self.kill, self.spawn)
         self.thread = OwnerThread(name, self)
+        self.fast = FastPath(self)  # callers acting as the owner, and the slots lent to them
         self.info: SessionInfo | None = None  # the session's description, from the first Ready
         self.reload: ReloadPlan | None = None  # a hot model swap in progress
         self.on_stopped: Callable[[], None] = _nothing  # the backend's last step (free the memory)
@@ -76,12 +83,15 @@ class Coordinator:
 
     def forsake(self, why: str) -> None:
         self.thread.forsake(why)
+        self.fast.forsake()
 
     def close(self, cancel_pending: bool) -> None:
         self.ledger.close(cancel_pending)
 
     def cancel(self, task: Task, kill: bool) -> bool:
-        return self.ledger.cancel(task, kill)
+        cancelled = self.ledger.cancel(task, kill)
+        self.fast.review(time.monotonic())  # a lent task's caller goes back to its Future now
+        return cancelled
 
     def abort(self, reason: str) -> None:
         """close() ran out of time: cancel everything, stop every worker now."""
@@ -145,10 +155,25 @@ class Coordinator:
         self.transport.wake()
 
     def step(self) -> None:
-        now = time.monotonic()
-        events = self.transport.wait(self.watchdog.next_timer(now, self.dispatcher.batch_ready_at))
-        self.thread.run_calls()
-        now = time.monotonic()
+        """One step, holding the owner lock (a lending transport lets go of it around its
+        wait: a caller may act meanwhile, engine.core.fastpath)."""
+        with self.thread.lock.owning():
+            now = time.monotonic()
+            timeout = self.next_timer(now, self.fast.reclaim_at())
+            self.fast.sleep_until = float("inf") if timeout is None else now + timeout
+            events = self.transport.wait(timeout)
+            self.fast.sleep_until = 0.0  # awake: a caller's dispatch need not wake it
+            self.thread.run_calls()
+            now = time.monotonic()
+            self.handle(events, now)
+            self.ledger.expire(now)
+            self.watchdog.run(now)
+            self.fast.review(now)
+            self.dispatcher.dispatch(now)
+            self.ledger.flush()
+
+    def handle(self, events: list[Event], now: float) -> None:
+        """What the transport reported, in order (the owner thread's, or a lender's read)."""
         for ev in events:
             if type(ev) is Done:
                 self.dispatcher.on_done(ev, now)
@@ -156,10 +181,10 @@ class Coordinator:
                 self._on_ready(ev)
             else:
                 self._on_died(ev)  # type: ignore[arg-type]
-        self.ledger.expire(now)
-        self.watchdog.run(now)
-        self.dispatcher.dispatch(now)
-        self.ledger.flush()
+
+    def next_timer(self, now: float, *others: float | None) -> float | None:
+        """Seconds to the next timer of the owner's (None: none runs)."""
+        return self.watchdog.next_timer(now, self.dispatcher.batch_ready_at, *others)
 
     def finished(self) -> bool:
         if self.ledger.failure is not None:
@@ -176,7 +201,9 @@ class Coordinator:
             self.kill(slot, KillReason.SHUTDOWN, 0.0)
 
     def stopped(self) -> None:
-        stopping.stop(self)  # the stop path: engine.core.stopping
+        with self.thread.lock.owning():
+            self.fast.end_all()  # a caller waiting on a lent slot goes back to its Future
+            stopping.stop(self)  # the stop path: engine.core.stopping
 
     # -- events --------------------------------------------------------------------------------------
 

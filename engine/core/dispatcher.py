@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from slabpool.engine.core import dispatch
 from slabpool.engine.core.admission import Counter, TaskQueue
@@ -32,6 +33,8 @@ class Dispatcher:
     ) -> None:
         self.cfg, self.queue, self.ledger, self.transport, self.slots = cfg, queue, ledger, transport, slots
         self._kill = kill
+        self.lent: dict[int, Any] = {}  # slot index -> its lend (engine.core.fastpath): no more work there
+        self.after_send: Callable[[SlotRecord, Batch], None] = _nothing  # a RunBatch left whole (fastpath)
         self.task_s: float | None = None  # mean run time per task (EWMA), sizes groups
         self.batch_ready_at: float | None = None  # a stacked batch still filling: send it then
 
@@ -43,7 +46,7 @@ class Dispatcher:
         wait_s = self.cfg.max_batch_wait_ms / 1000.0
         room = self.transport.room()  # (sizes are learnt from completions, not while dispatching)
         while True:
-            open_slots = [s for s in self.slots if s.state.can_take and len(s.batches) < depth]
+            open_slots = [s for s in self.slots if s.state.can_take and len(s.batches) < depth and s.index not in self.lent]
             if not open_slots:
                 self.queue.hungry = False  # new tasks wait for a completion, which dispatches
                 return
@@ -90,6 +93,8 @@ class Dispatcher:
             self.transport.send(slot.index, batch)
         except Unsendable as exc:
             self._unsendable(slot, batch, exc)
+            return
+        self.after_send(slot, batch)
 
     def _unsendable(self, slot: SlotRecord, batch: Batch, exc: Unsendable) -> None:
         """A batch that would not pickle (user data submit() could not check, such as a dict
@@ -197,3 +202,7 @@ class Dispatcher:
             if slot.batches and task in slot.batches[0].tasks:
                 self._kill(slot, KillReason.CANCEL, 0.5)
                 return
+
+
+def _nothing(slot: SlotRecord, batch: Batch) -> None:
+    """No caller waits on a slot of this transport (engine.core.fastpath sets its own)."""

@@ -12,6 +12,11 @@ one fails loudly: every call still pending when the loop exits fails with Engine
                                              ... the owner's work ...
                                     body.finished()? -> body.stopped(), then every pending call fails
 
+The owner is a role (issue 21, engine.core.fastpath): whoever holds `lock` acts. The thread
+holds it for each step except while it waits in the transport; a caller that finds it free
+may run the owner's own code meanwhile, and counts as on the owner's thread while it holds it
+(a done-callback it runs that calls `call` runs the call at once, as on the thread).
+
 It holds its `body` (a `LoopBody`: the coordinator, engine.core.coordinator) rather than being
 its base: `body.fail(error)` is what an internal bug leads to (the engine fails loudly, nothing
 is left running).
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from slabpool.engine.core.fastpath import OwnerLock
 from slabpool.workers import errors
 
 T = TypeVar("T")
@@ -60,6 +66,7 @@ class OwnerThread:
         self._loop_done = False  # set once, under _calls_lock: later calls fail at once
         self._forsaken = ""  # in a forked child: why no loop runs here (see forsake)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.lock = OwnerLock()  # the owner role (engine.core.fastpath)
 
     # -- the call bus ----------------------------------------------------------------------------
 
@@ -79,6 +86,11 @@ class OwnerThread:
         self.body.wake()
         return fut
 
+    @property
+    def pending(self) -> bool:
+        """A call waits to run (a caller acting as the owner leaves it to the thread)."""
+        return bool(self._calls)
+
     def run_calls(self) -> None:
         """Run every pending call (on the owner thread, from the body's step)."""
         while self._calls:
@@ -90,6 +102,7 @@ class OwnerThread:
         here, so every call fails at once (EngineClosed(why)) and wakes nothing (the wake-up
         pipe is the parent's). Takes no lock: another thread may have held one at the fork."""
         self._calls_lock = threading.Lock()
+        self.lock = OwnerLock()
         self._calls.clear()
         self._forsaken, self._loop_done = why, True
 
@@ -108,7 +121,8 @@ class OwnerThread:
 
     @property
     def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        """On the owner thread, or on a caller acting as the owner (it holds `lock`)."""
+        return threading.current_thread() is self._thread or self.lock.held_here
 
     def _run(self) -> None:
         try:

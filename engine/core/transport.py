@@ -113,6 +113,7 @@ class SlotTransport(Protocol):
 
     quorum: int  # slots that must be up before the engine's constructor returns
     startup_bound: bool  # a slot not up within startup_timeout is killed (a start-up failure)
+    can_lend: bool  # a slot's pipe can be lent to the caller that waits on it (engine.core.fastpath)
 
     def start(self, slot: int, spec: SessionSpec | None) -> int:
         """Build a new incarnation of `slot` on `spec` (after a death, or its first); its pid

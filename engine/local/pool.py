@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -18,6 +19,7 @@ from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
 from slabpool.engine.core.coordinator import Coordinator
+from slabpool.engine.core.fastpath import thread_wake
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState
@@ -58,6 +60,7 @@ class Engine(BaseEngine):
         cfg = self.config
         self._state = EngineState.ACCEPTING
         self._close_lock = threading.Lock()
+        self._lending = threading.local()  # .on: this thread's submit is for a caller that waits on it
         self._metrics = Metrics()
         self._instance = new_instance_id()
         self._lock: InstanceLock | None = None
@@ -110,7 +113,7 @@ class Engine(BaseEngine):
             cfg, self._queue, self._inputs, self._outputs,
             multiprocessing.get_context(cfg.start_method), self._boot_factory(cfg), self._metrics,
         )
-        self._queue.set_wake(self._sup.wake)
+        self._queue.set_wake(self._sup.fast.on_wake)  # a caller may dispatch itself (core.fastpath)
         self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(
@@ -168,14 +171,40 @@ class Engine(BaseEngine):
                         self._seed(task_id), abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes,
                         units=request.units, step=request.step)
 
-        try:
-            task = self._queue.accept(make)
+        try:  # steps 3-4 on this thread when it waits on the task and the engine is idle
+            task, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make),
+                                                   getattr(self._lending, "on", False))
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
             raise
         fut.slabpool_task = task
         return fut
+
+    def _call(self, inputs: Any, kw: dict[str, Any]) -> Any:
+        return self._lent_call(functools.partial(self.submit, inputs, **kw))
+
+    def _lent_call(self, submit: Callable[[], Future[Result]]) -> Any:
+        """infer() of one task: on an idle engine its slot is lent to this thread, which
+        waits on the worker's pipe and runs steps 8-9 itself (engine.core.fastpath); else, or
+        once the owner thread takes over, it waits on the Future."""
+        fut = self._lending_submit(submit)
+        lend = getattr(fut, "lend", None)
+        if lend is not None:
+            waker = thread_wake()
+            lend.wake = waker.wake
+            self._sup.fast.wait(lend, waker.fd)
+        return fut.result().outputs
+
+    def _lending_submit(self, submit: Callable[[], Future[Result]]) -> Future[Result]:
+        """`submit()` for a caller that waits on the task at once: its Future's `lend` is
+        the slot lent to it, if one was (see `_lent_call`, engine.caller.aio)."""
+        lending = self._lending
+        lending.on = True
+        try:
+            return submit()
+        finally:
+            lending.on = False
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         """End a task that a caller thread took out of the queue (it never reached a slot)."""

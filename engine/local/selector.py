@@ -1,6 +1,9 @@
 """The one selector of a local Engine: every worker's pipe, every worker's process sentinel,
 and the wake-up pipe other threads write to. Part of the local transport
-(engine.local.transport), which alone calls it, on the owner thread (`wake` from any thread).
+(engine.local.transport), which alone calls it, holding the owner lock (`wake` from any
+thread). The owner thread waits in it without the lock (`wait`, after `prepare`); a caller
+acting as the owner meanwhile may take a slot's pipe out (`lend`: the caller polls it) and put
+it back (`give_back`): epoll's set changes at once, under a wait in progress too.
 
 Keys are values (`Key`: what an fd stands for, and the object it belongs to), compared by
 the identity of that object: a pipe or a process that has gone is never mistaken for the
@@ -62,10 +65,17 @@ class SlotSelector:
                 pass  # the pipe is full: it is awake already
 
     def select(self, workers: list[Slot], timeout: float | None) -> list[tuple[Key, int]]:
-        """One wait; the wake-up pipe is read here (a wake() from then on writes again, and
-        one that saw a byte pending is served by the caller's step: its work is queued)."""
+        self.prepare(workers)
+        return self.wait(timeout)
+
+    def prepare(self, workers: list[Slot]) -> None:
+        """Before a wait, holding the owner lock: the watched set in line with the slots."""
         if self.dirty:
             self._sync(workers)
+
+    def wait(self, timeout: float | None) -> list[tuple[Key, int]]:
+        """One wait; the wake-up pipe is read here (a wake() from then on writes again, and
+        one that saw a byte pending is served by the caller's step: its work is queued)."""
         got = [(key.data, mask) for key, mask in self._selector.select(timeout)]
         for key, _ in got:
             if key.kind is Watched.WAKE:
@@ -79,7 +89,7 @@ class SlotSelector:
         A pipe is watched for writing too while its worker's outbox holds something."""
         want: dict[int, Key] = {self._wake_r: self._wake_key}
         for w in workers:
-            if w.conn is not None:
+            if w.conn is not None and not w.lent:  # (a lent pipe is its caller's to poll)
                 want[w.conn.fileno()] = _same_or_new(self._watched, w.conn.fileno(), Watched.CONN, w, w.conn)
             if w.process is not None:
                 want[w.process.sentinel] = _same_or_new(self._watched, w.process.sentinel, Watched.EXIT, w,
@@ -106,6 +116,23 @@ class SlotSelector:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
         if self._selector.get_key(fd).events != events:
             self._selector.modify(fd, events, key)
+
+    def lend(self, w: Slot) -> None:
+        """A worker's pipe leaves the selector (w.lent is set): a caller polls it."""
+        assert w.conn is not None
+        fd = w.conn.fileno()
+        if self._watched.pop(fd, None) is not None:
+            self._unregister(fd)
+
+    def give_back(self, w: Slot) -> None:
+        """A lent pipe comes back (w.lent is cleared), with its outbox's events."""
+        if w.conn is None or self._wake_closed:
+            return
+        fd = w.conn.fileno()
+        if fd not in self._watched:
+            key = _same_or_new(self._watched, fd, Watched.CONN, w, w.conn)
+            self._selector.register(fd, _events(key), key)
+            self._watched[fd] = key
 
     def forget(self, fd: int) -> None:
         """Unwatch an fd before it is closed (its number may be reused at once)."""

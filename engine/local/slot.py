@@ -47,6 +47,7 @@ class Slot:
         self.kill_escalate_at: float | None = None
         self.outbox = bytearray()  # frames written to the pipe only in part, or not yet
         self.on_backlog: Callable[[Slot], None] = _no_backlog  # told when the outbox fills
+        self.lent = False  # its pipe is a waiting caller's to poll, not the selector's (core.fastpath)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ class Slot:
         self.outbox = bytearray()
         self.sent.clear()
         self.init_error = None
-        self.up = self.killing = False
+        self.up = self.killing = self.lent = False
         self.kill_escalate_at = None
 
     def send(self, msg: Any) -> bool:
@@ -152,6 +153,7 @@ class Slot:
             self.conn.close()
         self.process.close()
         self.process, self.conn, self.reader = None, None, None
+        self.lent = False
         self.outbox = bytearray()  # nobody will read it
         return code
 

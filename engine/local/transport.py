@@ -7,6 +7,12 @@ the copies of revoked inputs (the originals stay pinned until the worker answers
 status words, step 8 (outputs copied out of shared memory into the caller's arrays), worker
 log records (logged as they come), SIGTERM -> SIGKILL escalation.
 
+A slot's pipe can be lent to the caller that waits on its one task (engine.core.fastpath):
+it leaves the selector, the caller polls a dup of it and reads it with this transport's own
+read (`read_lent`, under the owner lock), then gives it back. The transport ends a lend itself
+when the owner's path must take over: a death (the sentinel never leaves the selector), a
+kill, a Revoke, an outbox filling (its write events are the selector's).
+
 Each slot's status words live in one cache line at the start of the output arena: the id of
 the task its worker is in (IDLE, or STACKED for a whole stacked batch), read after a death,
 and when that task's time started (task_timeout).
@@ -15,6 +21,7 @@ and when that task's time started (task_timeout).
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import sys
 import time
@@ -26,6 +33,7 @@ import numpy as np
 import psutil
 
 from slabpool.engine.core.config import EngineConfig
+from slabpool.engine.core.fastpath import OwnerLock
 from slabpool.engine.core.states import KillReason, TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Died, Done, Event, InHand, Ready, Room, Unsendable, sooner
@@ -73,6 +81,9 @@ class LocalTransport:
         self.cfg, self.inputs, self.outputs, self.ctx, self.boot = cfg, inputs, outputs, ctx, boot
         self.quorum = cfg.workers
         self.startup_bound = True
+        self.can_lend = True
+        self._lock = OwnerLock()  # the owner's (attach): let go of around the wait
+        self._lend_ended: Callable[[int], None] = _nothing
         self.workers = [Slot(i) for i in range(cfg.workers)]
         self.selector = SlotSelector()
         for w in self.workers:
@@ -125,11 +136,13 @@ class LocalTransport:
             if t.state.is_terminal and st.lease is not None:
                 sent.pinned.append(st.lease)
                 st.lease = None
+        self._unlend(w)  # its tasks run elsewhere: the owner reads this answer
         w.send(Revoke(batch.id))
         return True
 
     def kill(self, slot: int, reason: KillReason, grace: float) -> None:
         w = self.workers[slot]
+        self._unlend(w)  # its death is the owner thread's to see
         w.kill(grace)
         if grace <= 0:
             w.escalate()
@@ -191,17 +204,54 @@ class LocalTransport:
                 w.reap()
         self.close()
 
+    # -- lending a slot (engine.core.fastpath.LendingTransport) -----------------------------------
+
+    def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
+        self._lock, self._lend_ended = lock, ended
+
+    def lend(self, slot: int) -> int | None:
+        w = self.workers[slot]
+        if w.conn is None or w.outbox or w.lent:
+            return None
+        w.lent = True
+        self.selector.lend(w)
+        return os.dup(w.conn.fileno())
+
+    def give_back(self, slot: int) -> None:
+        w = self.workers[slot]
+        if w.lent:
+            w.lent = False
+            self.selector.give_back(w)
+
+    def read_lent(self, slot: int) -> list[Event]:
+        w = self.workers[slot]
+        if w.lent and w.conn is not None:
+            self._drain(w)
+        events, self._events = self._events, []
+        return events
+
+    def _unlend(self, w: Slot) -> None:
+        """The owner's path takes over a lent slot: its pipe back, its lender told."""
+        if w.lent:
+            self.give_back(w.index)
+            self._lend_ended(w.index)
+
     # -- the wait: what happened, as events ---------------------------------------------------------
 
     def wait(self, timeout: float | None) -> list[Event]:
+        """The selector's wait, without the owner lock (a caller may act meanwhile), then
+        what it saw, holding it; a lent slot's pipe is its caller's (a stale readiness seen
+        before the lend is skipped)."""
         escalations = [w.kill_escalate_at for w in self.workers if w.kill_escalate_at is not None]
-        got = self.selector.select(self.workers, sooner(timeout, escalations, time.monotonic()))
+        self.selector.prepare(self.workers)
+        with self._lock.released():
+            got = self.selector.wait(sooner(timeout, escalations, time.monotonic()))
         conns, exits = set(), set()
         for key, mask in got:
             w = key.worker
             if w is None:
                 continue
-            if key.kind is Watched.CONN and key.obj is w.conn:
+            if key.kind is Watched.CONN and key.obj is w.conn and not w.lent:
                 if mask & selectors.EVENT_WRITE:
                     self._flush(w)  # what waits in its outbox, before anything new
                 if mask & selectors.EVENT_READ:
@@ -236,6 +286,7 @@ class LocalTransport:
             w.conn = None  # the worker is gone; its sentinel will fire
             self.selector.forget(conn.fileno())
             conn.close()
+            self._unlend(w)  # (an EOF on a lent pipe: the death is the owner thread's)
 
     def _on_message(self, w: Slot, msg: Any) -> None:
         if type(msg) is BatchDone:
@@ -286,6 +337,7 @@ class LocalTransport:
 
     def _on_exit(self, w: Slot) -> None:
         """The crash path's a: the process is reaped before any region it held is reused."""
+        self._unlend(w)
         if w.conn is not None:
             self._drain(w, to_end=True)  # what it sent before dying still counts
         pid = w.pid
@@ -312,7 +364,9 @@ class LocalTransport:
     # -- the pipes' outboxes -------------------------------------------------------------------------
 
     def _on_backlog(self, w: Slot) -> None:
-        """A worker's outbox holds what its pipe did not take: watch the pipe for writing."""
+        """A worker's outbox holds what its pipe did not take: watch the pipe for writing
+        (a lent pipe first comes back: its write events are the selector's)."""
+        self._unlend(w)
         self.selector.set_writing(w, True)
 
     def _flush(self, w: Slot) -> None:
@@ -364,3 +418,7 @@ def _unreported(start_method: str) -> str:
     return (f" No error came back: most likely an exception was raised while multiprocessing started it "
             f"(start_method={start_method!r}), before slabpool's code ran there: {where}unpickling the "
             "initializer's initargs. Its traceback is on the worker's stderr, above.")
+
+
+def _nothing(slot: int) -> None:
+    """No lend is made before the owner attaches (engine.core.fastpath)."""

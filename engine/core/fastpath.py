@@ -1,0 +1,428 @@
+"""One call without a thread hop (issue 21): the owner is a role, and an idle engine lends a
+slot to the caller that waits on it.
+
+Whoever holds the owner lock (`OwnerLock`, engine.core.owner) acts as the owner. The owner
+thread holds it for its whole step except while it waits in the transport; a caller takes it
+for a few microseconds, twice a call, and runs the owner's own code:
+
+    caller thread                                      worker k
+     accept (step 2); the queue would wake the owner: the lock is free, nothing else queued,
+     no call pending, no slot holds work the owner reads:
+       3-4  the dispatcher's own dispatch()  --RunBatch-->  5-7
+            its one-task batch went to an idle slot
+            whose pipe took it whole: slot k is lent
+            (its pipe leaves the owner's selector)
+     poll(a dup of pipe k, and the lender's eventfd)  <--BatchDone--
+       8-9  under the lock: the transport's own read, the coordinator's own handling of what
+            it read (Done: step 8's copy out, step 9's finish, once), the slot given back
+            (its pipe back in the owner's selector); the owner is woken only if something
+            waits for it (queued work, a close, a reload); the ledger's flush: the Futures
+     Future.result() returns at once
+
+Nothing is decided twice: the same code runs under the same lock, so replay, cancel,
+quarantine, counters and the ledger stay exact by construction. Everything off that path goes
+back to the owner thread, which reads the answer as before while the caller waits on its
+Future: a death or an EOF (the sentinel stays in the owner's selector), a kill, a Revoke (a
+stall), a pipe that did not take the whole RunBatch (the outbox: its write events are the
+owner's), a cancel, close() or a reload, an owner call pending, and more callers queuing
+(under load the owner thread batches; a caller steps aside). The owner tells a lender that
+its lend ended through `Lend.wake` (the thread's eventfd; an event loop's
+call_soon_threadsafe). A transport that cannot lend a slot (Ray's: `can_lend` False) leaves
+every call on the owner-thread path.
+
+`infer_async` lends the slot to the event loop (engine.caller.aio): a reader on the dup, the
+same `step` on the loop thread, which never waits for the lock: held, the lend is abandoned to
+the owner thread (`abandon`), which takes it back at its next step. A loop lend the loop does
+not look at for RECLAIM_S (a loop stopped with the call pending) is taken back by the owner
+at its next step after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, cast
+
+from slabpool.engine.core.slots import SlotRecord
+from slabpool.engine.core.states import TaskState
+from slabpool.engine.core.task import Batch, Task
+from slabpool.engine.core.transport import Event, SlotTransport
+from slabpool.workers.errors import EngineInternalError
+
+if TYPE_CHECKING:
+    from slabpool.engine.core.coordinator import Coordinator
+
+log = logging.getLogger("slabpool.engine")
+POLL_S = 1.0  # a lender looks at its lend at least this often (a guard: every end wakes it)
+RECLAIM_S = 1.0  # an event loop's lend not looked at for this long goes back to the owner
+
+
+class LendingTransport(SlotTransport, Protocol):
+    """A transport that can lend a slot's answer to a caller (the local one)."""
+
+    def lend(self, slot: int) -> int | None:
+        """The slot's pipe leaves the owner's selector: a dup of it to poll (the lender
+        closes it), or None (it cannot be lent now: no pipe, or an outbox waiting)."""
+
+    def give_back(self, slot: int) -> None:
+        """The slot's pipe goes back into the owner's selector."""
+
+    def read_lent(self, slot: int) -> list[Event]:
+        """The owner's read of a lent slot's pipe (one read), as events."""
+
+    def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
+        """The owner lock (let go of around the transport's wait), and whom to tell when the
+        transport itself ends a lend (a death, a kill, a Revoke, an outbox filling)."""
+
+
+class OwnerLock:
+    """The owner role: a lock and who holds it (`held_here`, `released` by the owner thread
+    around its wait)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder = 0  # the thread id holding it (0: none)
+
+    @property
+    def held_here(self) -> bool:
+        return self.holder == threading.get_ident()
+
+    @contextmanager
+    def owning(self) -> Iterator[None]:
+        """Act as the owner (waits for the lock); reentrant on the same thread."""
+        if self.held_here:
+            yield
+            return
+        self._lock.acquire()
+        self.holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.holder = 0
+            self._lock.release()
+
+    def try_own(self) -> bool:
+        """Take the lock if it is free now (never waits; False when this thread holds it)."""
+        if self.held_here or not self._lock.acquire(blocking=False):
+            return False
+        self.holder = threading.get_ident()
+        return True
+
+    def let_go(self) -> None:
+        self.holder = 0
+        self._lock.release()
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Around the owner thread's wait: a caller may act meanwhile."""
+        if not self.held_here:
+            yield
+            return
+        self.let_go()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self.holder = threading.get_ident()
+
+
+@dataclass(eq=False)
+class Lend:
+    """A slot lent to one waiting caller while it runs that caller's one-task batch."""
+
+    slot: int
+    batch: Batch
+    task: Task
+    fd: int  # a dup of the slot's pipe: polled without the lock, closed by the lender
+    over: bool = False
+    abandoned: bool = False  # the lender let go without the lock: the owner takes it back
+    reclaim_at: float | None = None  # an event loop's: the owner takes it back after this
+    wake: Callable[[], None] = field(default=lambda: None)  # tells the lender it is over
+    fast: FastPath | None = None
+
+    def loop_lend(self, now: float) -> None:
+        """Its lender is an event loop (it may stop looking: see RECLAIM_S)."""
+        self.reclaim_at = now + RECLAIM_S
+
+    def look(self) -> None:
+        """An event loop's look (its pipe readable, or told the lend is over)."""
+        if self.fast is not None:
+            self.fast.try_step(self)
+
+
+class FastPath:
+    """The owner lock's other users: callers that dispatch, and the lends they wait on."""
+
+    def __init__(self, co: Coordinator) -> None:
+        self.co = co
+        self.lock: OwnerLock = co.thread.lock
+        can = bool(getattr(co.transport, "can_lend", False))
+        self.transport = cast(LendingTransport, co.transport) if can else None
+        self.enabled = can  # (False: every call takes the owner thread's path; bench.latency's A/B)
+        self.lent: dict[int, Lend] = co.dispatcher.lent  # slot index -> its lend
+        self.sleep_until = 0.0  # when the owner thread's wait ends (monotonic; inf: no timer)
+        self.served = 0  # lends made so far
+        self._local = threading.local()
+        if self.transport is not None:
+            self.transport.attach(self.lock, self._ended)
+            co.dispatcher.after_send = self._after_send
+
+    # -- step 2 -> 3-4 -----------------------------------------------------------------------------
+
+    def on_wake(self) -> None:
+        """The queue's wake-up: deferred while this thread accepts a task it will wait on."""
+        local = self._local
+        if getattr(local, "accepting", False):
+            local.wanted = True
+            return
+        self.co.wake()
+
+    def accept(self, accept: Callable[[], Task], lending: bool) -> tuple[Task, Lend | None]:
+        """`accept()` (the queue's); then, for a caller that will wait on its task
+        (`lending`), if the queue asked for a dispatch, dispatch from this thread when the
+        owner is free, the slot lent to it. The task and its lend, if any: the caller sets
+        `Lend.wake`, then looks at `Lend.over` (the owner may end it before)."""
+        if not lending or not self.enabled:
+            return accept(), None
+        local = self._local
+        local.accepting, local.wanted = True, False
+        try:
+            task = accept()
+        finally:
+            local.accepting = False
+        if not local.wanted:
+            return task, None  # every slot is full: a completion dispatches it
+        return task, self._dispatch_here(task)
+
+    def _dispatch_here(self, task: Task) -> Lend | None:
+        if not self.lock.try_own():
+            self.co.wake()
+            return None
+        try:
+            with self._acting():
+                if not self._idle():
+                    self.co.wake()
+                    return None
+                now = time.monotonic()
+                self._local.task, self._local.lend = task, None
+                try:
+                    self.co.dispatcher.dispatch(now)
+                finally:
+                    lend: Lend | None = self._local.lend
+                    self._local.task = self._local.lend = None
+                self._tell_owner(now, task)
+                self.co.ledger.flush()
+                return lend
+        finally:
+            self.lock.let_go()
+
+    def _idle(self) -> bool:
+        """Nothing for the owner thread to do but this task: no close, failure or reload, no
+        call pending, nothing else queued, no slot holding work the owner reads."""
+        co = self.co
+        if co.ledger.closing is not None or co.ledger.failure is not None or co.reload is not None:
+            return False
+        if co.thread.pending or len(co.queue) != 1:
+            return False
+        return not any(s.batches and s.index not in self.lent for s in co.slots)
+
+    def _after_send(self, slot: SlotRecord, batch: Batch) -> None:
+        """The dispatcher's, after a RunBatch left whole: lend the slot to the caller that
+        dispatches, if the batch is its task alone and the slot holds nothing else."""
+        task = getattr(self._local, "task", None)
+        if task is None or batch.tasks != [task] or len(slot.batches) != 1 or not self.lock.held_here:
+            return
+        assert self.transport is not None
+        fd = self.transport.lend(slot.index)
+        if fd is not None:
+            self._local.lend = self.lent[slot.index] = Lend(slot.index, batch, task, fd, fast=self)
+            self.served += 1
+
+    def _tell_owner(self, now: float, task: Task | None) -> None:
+        """After a dispatch here: wake the owner thread if the task still waits (no slot took
+        it), if it has something to do (a close, a reload, a call), or if a timer now comes
+        before the end of its sleep (task_timeout, a stall, a batch filling, a deadline). What
+        still waits in the queue otherwise goes at the next completion, whoever reads it."""
+        co = self.co
+        if (task is not None and task.state is TaskState.QUEUED) or co.thread.pending or co.reload is not None \
+                or co.ledger.closing is not None or co.ledger.failure is not None:
+            self.co.wake()
+            return
+        wait = self.co.next_timer(now)
+        if wait is not None and now + wait < self.sleep_until:
+            self.co.wake()
+
+    @contextmanager
+    def _acting(self) -> Iterator[None]:
+        """Around a caller's turn as the owner. What interrupts it fails the engine, as a bug
+        on the owner thread does: a step left half done would leave a task that never ends."""
+        try:
+            yield
+        except BaseException as exc:
+            log.exception("a caller acting as the owner was interrupted")
+            self.co.fail(EngineInternalError(
+                f"a caller acting as the engine's owner was interrupted ({exc!r}); the engine stopped"))
+            self.co.ledger.flush()
+            self.co.wake()
+            raise
+
+    # -- 8-9 on the lender's thread ----------------------------------------------------------------
+
+    def wait(self, lend: Lend, wake_fd: int) -> None:
+        """A thread's wait on its lend: poll the pipe and the thread's eventfd (`wake_fd`),
+        handle what comes under the lock; return once the lend is over (the Future is then
+        complete, or the owner thread has the task)."""
+        poller = select.poll()
+        poller.register(lend.fd, select.POLLIN)
+        poller.register(wake_fd, select.POLLIN)
+        try:
+            while not lend.over:
+                got = poller.poll(POLL_S * 1000.0)
+                readable = any(fd == lend.fd for fd, _ in got)
+                if any(fd == wake_fd for fd, _ in got):
+                    try:
+                        os.eventfd_read(wake_fd)
+                    except BlockingIOError:
+                        pass  # (read by another poll of this thread's: nothing pending)
+                with self.lock.owning(), self._acting():
+                    self.step(lend, readable)
+        finally:
+            if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
+                with self.lock.owning():
+                    self.give_back(lend)
+                    self.co.wake()
+            os.close(lend.fd)
+
+    def try_step(self, lend: Lend) -> None:
+        """An event loop's look at its lend: `step` if the lock is free now, else the lend goes
+        back to the owner thread (the loop never waits for the lock)."""
+        if lend.over:
+            return
+        if not self.lock.try_own():
+            self.abandon(lend)
+            return
+        try:
+            with self._acting():
+                self.step(lend, True)
+        finally:
+            self.lock.let_go()
+
+    def abandon(self, lend: Lend) -> None:
+        """The lender lets go without the lock: the owner thread takes it back (`reclaim`)."""
+        lend.abandoned = True
+        self.co.wake()
+
+    def step(self, lend: Lend, readable: bool) -> None:
+        """Under the lock: what the worker sent, handled as the owner handles it; the slot
+        goes back once the batch has ended (or the task has), and the owner is woken when
+        something waits for it."""
+        if lend.over:
+            return
+        co = self.co
+        if lend.reclaim_at is not None:
+            lend.reclaim_at = time.monotonic() + RECLAIM_S
+        if readable:
+            assert self.transport is not None
+            events = self.transport.read_lent(lend.slot)
+            if events:
+                co.handle(events, time.monotonic())
+        if lend.over:  # the transport ended it (an EOF, a death): the owner thread's from here
+            co.wake()
+            co.ledger.flush()
+            return
+        if self._waiting(lend):
+            co.ledger.flush()
+            return
+        self.give_back(lend)
+        now = time.monotonic()
+        co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
+        self._tell_owner(now, None)
+        co.ledger.flush()
+
+    def _waiting(self, lend: Lend) -> bool:
+        slot = self.co.slots[lend.slot]
+        return (not lend.task.state.is_terminal and bool(slot.batches) and slot.batches[0] is lend.batch
+                and not lend.batch.revoked and slot.kill_reason is None)
+
+
+    # -- the owner's side ----------------------------------------------------------------------------
+
+    def give_back(self, lend: Lend) -> None:
+        """Under the lock: the slot's pipe goes back into the owner's selector."""
+        if lend.over:
+            return
+        lend.over = True
+        if self.lent.get(lend.slot) is lend:
+            del self.lent[lend.slot]
+            assert self.transport is not None
+            self.transport.give_back(lend.slot)
+
+    def _ended(self, slot: int) -> None:
+        """The transport ended a lend itself (a death, a kill, a Revoke, an outbox): the
+        lender is told, and waits on its Future."""
+        lend = self.lent.pop(slot, None)
+        if lend is not None:
+            lend.over = True
+            lend.wake()
+
+    def review(self, now: float) -> None:
+        """Under the lock, at the end of the owner's step (and after a cancel): a lend whose
+        task ended (a cancel), whose batch was taken back or whose slot is being stopped, or
+        that its lender abandoned or stopped looking at, goes back to the owner thread."""
+        for lend in list(self.lent.values()):
+            due = lend.reclaim_at is not None and lend.reclaim_at <= now
+            if lend.abandoned or due or not self._waiting(lend):
+                self.give_back(lend)
+                lend.wake()
+
+    def reclaim_at(self) -> float | None:
+        """When the owner must look at an event loop's lend next (see RECLAIM_S)."""
+        return min((lend.reclaim_at for lend in self.lent.values() if lend.reclaim_at is not None), default=None)
+
+    def end_all(self) -> None:
+        """The stop path (under the lock): every lend goes back, none is made again."""
+        self.enabled = False
+        for lend in list(self.lent.values()):
+            self.give_back(lend)
+            lend.wake()
+
+    def forsake(self) -> None:
+        """In a forked child (engine.local.forks): no lend is made or waited on here; takes no
+        lock (another thread may have held one at the fork)."""
+        self.enabled = False
+        self.lent.clear()
+        self.lock = self.co.thread.lock  # (a new one: the parent's may have been held at the fork)
+
+
+class _WakeFd:
+    """A thread's eventfd, on which the owner tells it that its lend is over (closed with the
+    thread's locals)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def wake(self) -> None:
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass  # (closed: its thread has ended, nobody waits)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_THREAD = threading.local()
+
+
+def thread_wake() -> _WakeFd:
+    """This thread's eventfd (made on its first lend, kept for the next ones)."""
+    got: _WakeFd | None = getattr(_THREAD, "wake", None)
+    if got is None:
+        got = _THREAD.wake = _WakeFd()
+    return got

@@ -1,0 +1,455 @@
+"""The fast path (engine.core.fastpath, issue 21): a caller that finds the engine idle
+dispatches its own task and is lent the slot, waiting on the worker's pipe itself; every
+guarantee of the owner thread's path holds on it, because it runs the owner's own code under
+the owner lock, and everything off the happy path goes back to the owner thread.
+
+Each case checks that the lend happened (`served`, or `lent` while a call waits), then what the
+owner's path promises: a death replays exactly once in acceptance order, timers fire, cancel and
+close give receipts, each task sees its own context, the counters balance, a fork leaves the
+parent's lend alone. Real workers, real signals; faults are triggered by the task itself
+(engine.caller.faults, or a file gate in its preprocess); no timing is asserted (the waits here
+only catch deadlocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slabpool import Engine
+from slabpool.engine.caller import faults
+from slabpool.workers.errors import EngineClosed, TaskCancelled, TaskTimeout
+from slabpool.workers.protocol import FaultSpec
+from tests.models import onnx_models
+from tests.reference import ort_run
+
+X = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
+GATED = "tests.async_hooks:gated"  # marks started-<tag> in dir, waits for dir/open (with "wait")
+
+
+def _fast(eng: Engine) -> Any:
+    return eng._owner.fast  # type: ignore[attr-defined]
+
+
+def _until(cond: Any, what: str) -> None:
+    """Wait for `cond()` (a deadlock guard, not a timing)."""
+    deadline = time.monotonic() + 60
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.002)
+
+
+def _owner_asleep(eng: Engine) -> None:
+    """The owner thread waits in its selector (it holds no lock): the next call may be lent."""
+    _until(lambda: _fast(eng).sleep_until > 0 and not eng._owner.thread.pending, "the owner thread sleeps")
+
+
+def _probs(models: Any, x: np.ndarray) -> np.ndarray:
+    return ort_run(models.mlp, {"x": x})["probs"]
+
+
+def _gated(d: Path, tag: str, wait: bool) -> dict[str, Any]:
+    return {"x": X, "dir": str(d), "tag": tag, "wait": wait}
+
+
+def _in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
+    """Run fn(*args) on a thread; its outcome (the value, or the exception) lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as exc:  # (the test looks at it)
+            out.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _lent_call(eng: Engine, tmp_path: Path, tag: str) -> tuple[threading.Thread, list[Any]]:
+    """A call on a thread whose slot is lent to it, held in its preprocess until dir/open."""
+    _owner_asleep(eng)
+    before = _fast(eng).served
+    t, out = _in_thread(eng.infer, _gated(tmp_path, tag, True))
+    _until(lambda: (tmp_path / f"started-{tag}").exists(), "the gated task started")
+    assert _fast(eng).served == before + 1 and _fast(eng).lent, "the call was lent its slot"
+    return t, out
+
+
+# -- deaths and replays ---------------------------------------------------------------------------
+
+DEATHS = [("run", "sigkill"), ("preprocess", "exit0"), ("write_outputs", "sigkill"), ("run", "exit1")]
+
+
+@pytest.mark.parametrize("stage,action", DEATHS, ids=[f"{s}-{a}" for s, a in DEATHS])
+def test_a_worker_killed_while_its_slot_is_lent_replays_the_call_once(models, tmp_path, start_method, stage, action):
+    """One caller, one worker: the call that kills its worker at `stage` was lent its slot; it
+    comes back from the replay (the owner thread's: the lend went back), once, with the right
+    outputs; the calls after it are lent again; one restart, nothing failed."""
+    fault = FaultSpec(stage, action, str(tmp_path / "fired"))
+    with faults.build(Engine, models.mlp, workers=1, start_method=start_method) as eng:
+        want = eng.infer(X)["probs"]
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        got = faults.infer(eng, X, fault)["probs"]
+        lent_the_fault = _fast(eng).served - before
+        after = [eng.infer(X)["probs"] for _ in range(3)]
+        st = eng.stats()
+    assert lent_the_fault == 1
+    assert all(g.tobytes() == want.tobytes() for g in [got, *after])
+    assert (st.accepted, st.completed, st.failed, st.restarts, st.replayed) == (5, 5, 0, 1, 1)
+
+
+def _flood(eng: Engine, threads: int, calls: int, fault_at: tuple[int, int], fault: FaultSpec) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """`threads` threads each make `calls` single-row calls; the call at `fault_at` (thread,
+    call) carries `fault`. Each thread's outputs in order, and the rows."""
+    rows = np.random.default_rng(4).standard_normal((threads * calls, 16)).astype(np.float32)
+    out: list[list[np.ndarray]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def run(t: int) -> None:
+        start.wait()
+        try:
+            for j in range(calls):
+                x = rows[t * calls + j : t * calls + j + 1]
+                out[t].append(faults.infer(eng, x, fault if (t, j) == fault_at else None)["probs"])
+        except BaseException as exc:  # (the test looks at it)
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers), "a call never ended"
+    assert not errors, errors
+    return out, rows
+
+
+FLOOD = [("run", "sigkill"), ("preprocess", "exit0")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,action", FLOOD, ids=[f"{s}-{a}" for s, a in FLOOD])
+def test_a_flood_of_single_calls_from_8_threads_with_a_kill_replays_exactly_once(models, tmp_path, start_method,
+                                                                               stage, action):
+    """8 threads call one row at a time (lent when the engine is idle, batched by the owner
+    thread when they queue); one call kills its worker. Every call returns its own row's
+    outputs, once; one restart; the books balance, in tasks and in items."""
+    threads, calls = 8, 15
+    fault = FaultSpec(stage, action, str(tmp_path / "fired"))
+    with faults.build(Engine, models.mlp, workers=2, start_method=start_method) as eng:
+        for _ in range(3):
+            _owner_asleep(eng)
+            eng.infer(X)
+        served = _fast(eng).served
+        out, rows = _flood(eng, threads, calls, (5, 7), fault)
+        st = eng.stats()
+    assert served >= 1
+    want = _probs(models, rows)
+    for t in range(threads):
+        assert len(out[t]) == calls
+        for j, probs in enumerate(out[t]):
+            np.testing.assert_allclose(probs[0], want[t * calls + j], rtol=1e-5, atol=1e-6)
+    n = threads * calls + 3
+    assert (st.accepted, st.completed, st.failed, st.cancelled) == (n, n, 0, 0)
+    assert st.items_accepted == st.items_completed == n
+    assert st.restarts == 1 and st.replayed >= 1
+
+
+def test_a_lent_call_behind_which_others_queue_replays_in_acceptance_order(models, tmp_path):
+    """A call holds its lent slot (one worker) while three more queue behind it; its worker is
+    SIGKILLed (by its own task). The lend goes back, the lent task replays first, then the
+    queued ones, in acceptance order (the order the worker saw them)."""
+    with Engine(models.mlp, workers=1, preprocess="tests.test_fastpath:gated_or_kill") as eng:
+        eng.infer({"x": X})
+        _owner_asleep(eng)
+        order = tmp_path / "order"
+        first = {"x": X, "dir": str(tmp_path), "order": str(order), "n": 0, "kill_once": str(tmp_path / "k")}
+        t, out = _in_thread(eng.infer, first)
+        _until(lambda: (tmp_path / "started-0").exists(), "the lent task started")
+        assert _fast(eng).lent
+        futs = [eng.submit({"x": X, "order": str(order), "n": n}) for n in (1, 2, 3)]
+        (tmp_path / "open").touch()
+        t.join(60)
+        results = [f.result(60) for f in futs]
+        st = eng.stats()
+    assert not isinstance(out[0], BaseException) and len(results) == 3
+    seen = [int(v) for v in order.read_text().split()]
+    assert seen == [0, 0, 1, 2, 3]  # run once and killed, then the replay, then the queue
+    # (the queued ones may have been sent to the dying slot, between its EOF and its death: replayed too)
+    assert (st.completed, st.failed, st.restarts) == (5, 0, 1) and st.replayed >= 1
+
+
+def gated_or_kill(item: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A preprocess for the mlp: note item n in `order`; with `dir`, mark started-n and wait for
+    dir/open; with `kill_once`, SIGKILL this worker the first time (a file says it fired)."""
+    import signal
+
+    if "order" in item:
+        with open(item["order"], "a") as f:
+            f.write(f"{item['n']}\n")
+    if "dir" in item:
+        Path(item["dir"], f"started-{item['n']}").touch()
+        deadline = time.monotonic() + 60
+        while not Path(item["dir"], "open").exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+    mark = item.get("kill_once")
+    if mark is not None:
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.kill(os.getpid(), signal.SIGKILL)
+        except FileExistsError:
+            pass
+    return {"x": np.ascontiguousarray(item["x"], dtype=np.float32)}
+
+
+# -- timers, cancel, close, reload ---------------------------------------------------------------
+
+
+def test_task_timeout_fires_on_a_lent_call(models):
+    """A lent call that hangs in its run: the owner thread's timer (woken by the caller's
+    dispatch) kills the slot; the lender is told, TaskTimeout; the engine serves on."""
+    with faults.build(Engine, models.mlp, workers=1, task_timeout=0.5) as eng:
+        eng.infer(X)
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        with pytest.raises(TaskTimeout):
+            faults.infer(eng, X, FaultSpec("run", "hang"))
+        lent = _fast(eng).served - before
+        after = eng.infer(X)["probs"]
+        st = eng.stats()
+    assert lent == 1 and after.shape == (1, 8)
+    assert (st.timeouts, st.failed, st.completed, st.restarts) == (1, 1, 2, 1)
+
+
+def test_a_deadline_expires_in_the_queue_behind_a_lent_call(models, tmp_path):
+    """One worker, lent to a gated call: a call with a deadline queues behind it and expires
+    there (the owner thread's timer, though the slot is the caller's); the lent call ends well."""
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+        eng.infer(_gated(tmp_path, "warm", False))
+        t, out = _lent_call(eng, tmp_path, "a")
+        late = eng.submit(_gated(tmp_path, "late", False), deadline=0.05)
+        with pytest.raises(TaskTimeout, match="deadline"):
+            late.result(60)
+        (tmp_path / "open").touch()
+        t.join(60)
+        st = eng.stats()
+    assert out[0]["probs"].shape == (1, 8)
+    assert not (tmp_path / "started-late").exists()
+    assert (st.completed, st.failed + st.cancelled) == (2, 1)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["cancel", "cancel-kill"])
+def test_cancel_of_a_lent_call_gives_its_receipt_and_wakes_the_caller(models, tmp_path, kill):
+    """cancel() of a running task whose slot is lent to its caller: the receipt is True, the
+    caller's infer() raises TaskCancelled at once (its gate still closed: the lend was ended,
+    the caller woken), the task is never delivered; the slot serves on."""
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+        eng.infer(_gated(tmp_path, "warm", False))
+        t, out = _lent_call(eng, tmp_path, "a")
+        (task,) = eng._owner.ledger.unfinished()
+        assert eng.cancel(task.future, kill=kill) is True
+        t.join(60)
+        assert not t.is_alive() and isinstance(out[0], TaskCancelled)
+        assert not _fast(eng).lent
+        (tmp_path / "open").touch()
+        after = eng.infer(_gated(tmp_path, "b", False))["probs"]
+        _until(lambda: eng.stats().completed == 2, "the books balance")
+        st = eng.stats()
+    assert after.shape == (1, 8)
+    assert (st.cancelled, st.completed, st.failed, st.restarts) == (1, 2, 0, int(kill))
+
+
+def test_close_during_a_lent_call_drains_it(models, tmp_path):
+    """close() while a caller waits on its lent slot: the call ends with its outputs, then the
+    engine closes, nothing left running."""
+    eng = Engine(models.mlp, workers=1, preprocess=GATED)
+    eng.infer(_gated(tmp_path, "warm", False))
+    t, out = _lent_call(eng, tmp_path, "a")
+    closing, closed = _in_thread(eng.close)
+    _until(lambda: eng.state.name != "ACCEPTING", "close() began")
+    (tmp_path / "open").touch()
+    t.join(60)
+    closing.join(60)
+    assert not closing.is_alive() and closed == [None]
+    assert out[0]["probs"].shape == (1, 8)
+    assert eng.stats().completed == 2
+
+
+def test_close_with_a_timeout_cancels_a_lent_call(models, tmp_path):
+    """close(timeout=) expires while a caller waits on its lent slot: its call ends with
+    TaskCancelled (the receipt), the worker is stopped, nothing is left."""
+    eng = Engine(models.mlp, workers=1, preprocess=GATED)
+    eng.infer(_gated(tmp_path, "warm", False))
+    t, out = _lent_call(eng, tmp_path, "a")
+    eng.close(timeout=0.3)
+    t.join(60)
+    assert not t.is_alive() and isinstance(out[0], TaskCancelled)
+    assert eng.stats().cancelled == 1
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return onnx_models.mlp(tmp_path_factory.mktemp("v2") / "mlp_v2.onnx", seed=1)
+
+
+def test_a_reload_during_a_lent_call_waits_for_it(models, tmp_path, v2):
+    """reload() while a caller waits on its lent slot: the call ends on the old model, the slot
+    swaps after it (the drain), and the next calls run the new one."""
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+        old = eng.infer(_gated(tmp_path, "warm", False))["probs"]
+        t, out = _lent_call(eng, tmp_path, "a")
+        reloading, version = _in_thread(eng.reload, v2)
+        _until(lambda: eng._owner.reload is not None or version, "the reload began")
+        (tmp_path / "open").touch()
+        t.join(60)
+        reloading.join(120)
+        new = eng.infer(_gated(tmp_path, "b", False))["probs"]
+        st = eng.stats()
+    assert out[0]["probs"].tobytes() == old.tobytes()
+    assert isinstance(version[0], str)
+    assert new.tobytes() != old.tobytes()
+    assert (st.completed, st.failed) == (3, 0)
+
+
+# -- context, async, fork, the outbox --------------------------------------------------------------
+
+
+def test_each_lent_call_sees_its_own_context(models, start_method):
+    """Threads calling one at a time, each call with its own context (lent or batched): each
+    result sees exactly its own; a call without one sees none."""
+    with Engine(None, workers=2, start_method=start_method, preprocess="tests.hooks:read_context") as eng:
+        seen: dict[int, object] = {}
+
+        def run(t: int) -> None:
+            for j in range(10):
+                rid = t * 100 + j
+                seen[rid] = eng.infer({"n": rid}, context={"request_id": rid})["seen"]
+
+        _owner_asleep(eng)
+        alone = eng.infer({"n": -1}, context={"request_id": -1})["seen"]
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for w in threads:
+            w.start()
+        for w in threads:
+            w.join(60)
+        bare = eng.infer({"n": -2})["seen"]
+        served = _fast(eng).served
+    assert served >= 1
+    assert len(seen) == 40 and all(seen[rid] == {"request_id": rid} for rid in seen)
+    assert alone == {"request_id": -1} and bare == {}
+
+
+def test_a_runbatch_that_does_not_fit_the_pipe_is_not_lent(models):
+    """A task whose RunBatch is larger than the pipe takes (a 1 MiB context): its write waits in
+    the slot's outbox, whose write events are the owner's, so the slot is not lent; the call
+    ends on the owner thread's path, with its own context."""
+    with Engine(None, workers=1, preprocess="tests.hooks:read_context") as eng:
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        small = eng.infer({"n": 1}, context={"blob": "s"})["seen"]
+        lent_small = _fast(eng).served - before
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        big = eng.infer({"n": 2}, context={"blob": "b" * (1 << 20)})["seen"]
+        lent_big = _fast(eng).served - before
+    assert (lent_small, lent_big) == (1, 0)
+    assert small == {"blob": "s"} and big == {"blob": "b" * (1 << 20)}
+
+
+def test_async_calls_are_lent_to_the_loop_and_a_death_replays_once(models, tmp_path, start_method):
+    """infer_async one at a time: the loop is lent the slot and reads the answer; then 40 at
+    once on the same loop (most batched by the owner thread), one killing its worker: every
+    call its own outputs, once; one restart."""
+    with Engine(models.mlp, workers=2, start_method=start_method, preprocess="tests.hooks:kill_marked") as eng:
+        want = eng.infer({"x": X})["probs"]
+
+        async def main() -> tuple[list[np.ndarray], int]:
+            one = []
+            for _ in range(5):
+                _owner_asleep(eng)
+                one.append((await eng.infer_async({"x": X}))["probs"])
+            lent = _fast(eng).served
+            items: list[dict[str, Any]] = [{"x": X} for _ in range(40)]
+            items[17] = {"x": X, "kill_once": str(tmp_path / "killed")}
+            many = await asyncio.gather(*(eng.infer_async(it) for it in items))
+            return one + [m["probs"] for m in many], lent
+
+        got, lent = asyncio.run(main())
+        st = eng.stats()
+    assert lent >= 5
+    assert len(got) == 45 and all(g.tobytes() == want.tobytes() for g in got)
+    assert (st.completed, st.failed, st.restarts) == (46, 0, 1) and st.replayed >= 1
+
+
+def test_an_async_call_cancelled_on_a_lent_slot_ends_once_and_the_slot_serves_on(models, tmp_path):
+    """The awaiting coroutine is cancelled while the loop holds the lent slot: the task ends
+    cancelled (never delivered); the worker's late answer is read, and the slot serves on."""
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+
+        async def main() -> np.ndarray:
+            await eng.infer_async(_gated(tmp_path, "warm", False))
+            _owner_asleep(eng)
+            call = asyncio.ensure_future(eng.infer_async(_gated(tmp_path, "a", True)))
+            while not (tmp_path / "started-a").exists():
+                await asyncio.sleep(0.005)
+            assert _fast(eng).lent
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            (tmp_path / "open").touch()
+            return (await eng.infer_async(_gated(tmp_path, "b", False)))["probs"]
+
+        after = asyncio.run(main())
+        _until(lambda: eng.stats().cancelled == 1, "the cancel lane's receipt")
+        st = eng.stats()
+    assert after.shape == (1, 8)
+    assert (st.cancelled, st.completed, st.failed) == (1, 2, 0)
+
+
+def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_path, start_method):
+    """os.fork() while a thread waits on its lent slot: in the child the engine refuses calls
+    (EngineClosed naming the fork) and the child exits without touching the slot; in the
+    parent the lent call ends with its outputs, and the slot is lent again after."""
+    with Engine(models.mlp, workers=1, start_method=start_method, preprocess=GATED) as eng:
+        eng.infer(_gated(tmp_path, "warm", False))
+        t, out = _lent_call(eng, tmp_path, "a")
+        pid = os.fork()
+        if pid == 0:  # the child: no lock is waited on, no lend is touched
+            code = 3
+            try:
+                eng.infer(_gated(tmp_path, "child", False))
+            except EngineClosed as exc:
+                code = 0 if "fork" in str(exc) else 4
+            except BaseException:  # (any other outcome is the failure)
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        (tmp_path / "open").touch()
+        t.join(60)
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        again = eng.infer(_gated(tmp_path, "b", False))["probs"]
+        lent_again = _fast(eng).served - before
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert out[0]["probs"].shape == (1, 8) and again.shape == (1, 8)
+    assert lent_again == 1
+    assert not (tmp_path / "started-child").exists()
+
+
+def test_the_ray_transport_lends_no_slot():
+    """Ray's actors answer through Ray, to the owner thread: its transport says no, and its
+    calls take the owner thread's path (the same API)."""
+    ray_transport = pytest.importorskip("slabpool.engine.ray.transport")
+    assert ray_transport.RayTransport.can_lend is False
