@@ -37,6 +37,8 @@ LOCAL_ONLY = {
     "test_deadlock": "pipes and their outbox: the local transport's",
     "test_docs": "the docs' examples as written; the Ray doc runs in test_ray",
     "test_engine": APPLIES + "one session per worker, byte-identity, nothing left behind (processes, shm)",
+    "test_fastpath": "the fast path lends a local slot's pipe to its caller (Ray's transport lends none: "
+                     "a unit case there)",
     "test_fault_matrix": APPLIES + "the stage x fault table; its shared-memory stages are the local transport's",
     "test_faults": APPLIES + "issue 13's regressions; several are of the local transport's pipes and shm",
     "test_first_contact": APPLIES + "results matched to inputs, errors in the caller's words, payloads that "

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import TaskState
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Event, SlotTransport
+from slabpool.engine.core.transport import Event
 from slabpool.workers.errors import EngineInternalError
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ POLL_S = 1.0  # a lender looks at its lend at least this often (a guard: every e
 RECLAIM_S = 1.0  # an event loop's lend not looked at for this long goes back to the owner
 
 
-class LendingTransport(SlotTransport, Protocol):
-    """A transport that can lend a slot's answer to a caller (the local one)."""
+class LendingTransport(Protocol):
+    """What a transport that can lend a slot (`can_lend`: the local one) adds to SlotTransport."""
 
     def lend(self, slot: int) -> int | None:
         """The slot's pipe leaves the owner's selector: a dup of it to poll (the lender
