@@ -14,6 +14,11 @@ same concurrency (latency: lower is better; calls/s: higher is better).
     async        await Engine.infer_async(x)           (the same engine)
     ray          RayEngine.infer(x), with --ray        (a private local Ray instance)
 
+`--ab` adds, interleaved with each infer and async cell on the same engine, the same cell with
+the fast path off (engine.core.fastpath: every call through the owner thread, the path before
+issue 21), named "... [owner thread]": the A/B for a shared machine, where only cells measured
+side by side compare. The switch is the benchmark's, not the product's (one path).
+
 The default run takes about a minute; `--long` measures 10 s a cell.
 """
 
@@ -69,6 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated contenders (floor,in-process,ppe,loky,infer,async,ray)")
     p.add_argument("--ray", action="store_true", help="add RayEngine.infer (slow to start)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--ab", action="store_true", help="each engine cell again with the fast path off, interleaved")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the engine cells (interleaved A/B) this many times")
     args = p.parse_args(argv)
     args.seconds = args.seconds or (10.0 if args.long else 1.5)
     return args
@@ -249,12 +256,8 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
             print(f"loky skipped: {exc}", file=sys.stderr)
     if want & {"infer", "async"}:
         with engine(model, args.workers) as eng:
-            if "infer" in want:
-                cells("Engine.infer", eng.infer, args.concurrency)
-            if "async" in want:
-                for c in args.concurrency:
-                    rows.append(summarize("Engine.infer_async", c, *drive_async(eng.infer_async, item, c, args.seconds)))
-                    _print_row(rows[-1], None)
+            for _ in range(args.rounds):
+                _engine_cells(args, eng, item, want, rows)
     if "ray" in want:
         try:
             with engine(model, args.workers, ray=True) as eng:
@@ -262,6 +265,26 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
         except ImportError as exc:
             print(f"ray skipped: {exc}", file=sys.stderr)
     return rows
+
+
+def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str], rows: list[Row]) -> None:
+    """Engine.infer and infer_async at each concurrency; with --ab each cell is followed by the
+    same cell with the fast path off, on the same engine."""
+    fast = eng._owner.fast
+    modes = [(True, ""), (False, " [owner thread]")] if args.ab else [(True, "")]
+    for c in args.concurrency:
+        for on, tag in modes:
+            fast.enabled = on and fast.transport is not None
+            try:
+                if "infer" in want:
+                    rows.append(summarize("Engine.infer" + tag, c, *drive(eng.infer, item, c, args.seconds)))
+                    _print_row(rows[-1], None)
+                if "async" in want:
+                    rows.append(summarize("Engine.infer_async" + tag, c,
+                                          *drive_async(eng.infer_async, item, c, args.seconds)))
+                    _print_row(rows[-1], None)
+            finally:
+                fast.enabled = fast.transport is not None
 
 
 def _print_row(row: Row, ref: Row | None) -> None:

@@ -3,7 +3,8 @@ dispatches its own task and is lent the slot, waiting on the worker's pipe itsel
 guarantee of the owner thread's path holds on it, because it runs the owner's own code under
 the owner lock, and everything off the happy path goes back to the owner thread.
 
-Each case checks that the lend happened (`served`, or `lent` while a call waits), then what the
+Each case checks that the lend happened (`lends`, `lent` while a call waits; `served`: its
+caller read the answer), then what the
 owner's path promises: a death replays exactly once in acceptance order, timers fire, cancel and
 close give receipts, each task sees its own context, the counters balance, a fork leaves the
 parent's lend alone. Real workers, real signals; faults are triggered by the task itself
@@ -78,10 +79,10 @@ def _in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
 def _lent_call(eng: Engine, tmp_path: Path, tag: str) -> tuple[threading.Thread, list[Any]]:
     """A call on a thread whose slot is lent to it, held in its preprocess until dir/open."""
     _owner_asleep(eng)
-    before = _fast(eng).served
+    before = _fast(eng).lends
     t, out = _in_thread(eng.infer, _gated(tmp_path, tag, True))
     _until(lambda: (tmp_path / f"started-{tag}").exists(), "the gated task started")
-    assert _fast(eng).served == before + 1 and _fast(eng).lent, "the call was lent its slot"
+    assert _fast(eng).lends == before + 1 and _fast(eng).lent, "the call was lent its slot"
     return t, out
 
 
@@ -99,9 +100,9 @@ def test_a_worker_killed_while_its_slot_is_lent_replays_the_call_once(models, tm
     with faults.build(Engine, models.mlp, workers=1, start_method=start_method) as eng:
         want = eng.infer(X)["probs"]
         _owner_asleep(eng)
-        before = _fast(eng).served
+        before = _fast(eng).lends
         got = faults.infer(eng, X, fault)["probs"]
-        lent_the_fault = _fast(eng).served - before
+        lent_the_fault = _fast(eng).lends - before
         after = [eng.infer(X)["probs"] for _ in range(3)]
         st = eng.stats()
     assert lent_the_fault == 1
@@ -152,7 +153,7 @@ def test_a_flood_of_single_calls_from_8_threads_with_a_kill_replays_exactly_once
         for _ in range(3):
             _owner_asleep(eng)
             eng.infer(X)
-        served = _fast(eng).served
+        served = _fast(eng).lends
         out, rows = _flood(eng, threads, calls, (5, 7), fault)
         st = eng.stats()
     assert served >= 1
@@ -223,10 +224,10 @@ def test_task_timeout_fires_on_a_lent_call(models):
     with faults.build(Engine, models.mlp, workers=1, task_timeout=0.5) as eng:
         eng.infer(X)
         _owner_asleep(eng)
-        before = _fast(eng).served
+        before = _fast(eng).lends
         with pytest.raises(TaskTimeout):
             faults.infer(eng, X, FaultSpec("run", "hang"))
-        lent = _fast(eng).served - before
+        lent = _fast(eng).lends - before
         after = eng.infer(X)["probs"]
         st = eng.stats()
     assert lent == 1 and after.shape == (1, 8)
@@ -345,7 +346,7 @@ def test_each_lent_call_sees_its_own_context(models, start_method):
         for w in threads:
             w.join(60)
         bare = eng.infer({"n": -2})["seen"]
-        served = _fast(eng).served
+        served = _fast(eng).lends
     assert served >= 1
     assert len(seen) == 40 and all(seen[rid] == {"request_id": rid} for rid in seen)
     assert alone == {"request_id": -1} and bare == {}
@@ -353,8 +354,8 @@ def test_each_lent_call_sees_its_own_context(models, start_method):
 
 def test_a_runbatch_that_does_not_fit_the_pipe_is_not_lent(models):
     """A task whose RunBatch is larger than the pipe takes (a 1 MiB context): its write waits in
-    the slot's outbox, whose write events are the owner's, so the slot is not lent; the call
-    ends on the owner thread's path, with its own context."""
+    the slot's outbox, whose write events are the owner's, so the lend ends at once; the call
+    ends on the owner thread's path (its caller reads no answer), with its own context."""
     with Engine(None, workers=1, preprocess="tests.hooks:read_context") as eng:
         _owner_asleep(eng)
         before = _fast(eng).served
@@ -364,6 +365,7 @@ def test_a_runbatch_that_does_not_fit_the_pipe_is_not_lent(models):
         before = _fast(eng).served
         big = eng.infer({"n": 2}, context={"blob": "b" * (1 << 20)})["seen"]
         lent_big = _fast(eng).served - before
+        assert not _fast(eng).lent
     assert (lent_small, lent_big) == (1, 0)
     assert small == {"blob": "s"} and big == {"blob": "b" * (1 << 20)}
 
@@ -380,7 +382,7 @@ def test_async_calls_are_lent_to_the_loop_and_a_death_replays_once(models, tmp_p
             for _ in range(5):
                 _owner_asleep(eng)
                 one.append((await eng.infer_async({"x": X}))["probs"])
-            lent = _fast(eng).served
+            lent = _fast(eng).lends
             items: list[dict[str, Any]] = [{"x": X} for _ in range(40)]
             items[17] = {"x": X, "kill_once": str(tmp_path / "killed")}
             many = await asyncio.gather(*(eng.infer_async(it) for it in items))
@@ -439,9 +441,9 @@ def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_p
         (tmp_path / "open").touch()
         t.join(60)
         _owner_asleep(eng)
-        before = _fast(eng).served
+        before = _fast(eng).lends
         again = eng.infer(_gated(tmp_path, "b", False))["probs"]
-        lent_again = _fast(eng).served - before
+        lent_again = _fast(eng).lends - before
     assert os.waitstatus_to_exitcode(status) == 0
     assert out[0]["probs"].shape == (1, 8) and again.shape == (1, 8)
     assert lent_again == 1

@@ -191,8 +191,9 @@ class Coordinator:
             return True
         if self.ledger.closing is None:
             return False
-        # a batch taken back from a stalled worker holds no task: close() does not wait for it
-        return len(self.queue) == 0 and all(b.revoked for s in self.slots for b in s.batches)
+        with self.thread.lock.owning():  # (a lender may be ending a batch right now)
+            # a batch taken back from a stalled worker holds no task: close() does not wait for it
+            return len(self.queue) == 0 and all(b.revoked for s in self.slots for b in s.batches)
 
     def fail(self, error: BaseException) -> None:
         """The engine cannot go on (a slot cannot start, a bug): every waiting task fails with why."""

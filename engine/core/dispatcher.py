@@ -34,7 +34,7 @@ class Dispatcher:
         self.cfg, self.queue, self.ledger, self.transport, self.slots = cfg, queue, ledger, transport, slots
         self._kill = kill
         self.lent: dict[int, Any] = {}  # slot index -> its lend (engine.core.fastpath): no more work there
-        self.after_send: Callable[[SlotRecord, Batch], None] = _nothing  # a RunBatch left whole (fastpath)
+        self.before_send: Callable[[SlotRecord, Batch], None] = _nothing  # a caller may wait on it (fastpath)
         self.task_s: float | None = None  # mean run time per task (EWMA), sizes groups
         self.batch_ready_at: float | None = None  # a stacked batch still filling: send it then
 
@@ -89,12 +89,11 @@ class Dispatcher:
             slot.fire(SlotEvent.TAKE)
         if len(slot.batches) == 1:
             batch.started_at = now
+        self.before_send(slot, batch)  # (the answer must not reach the owner's selector first)
         try:
             self.transport.send(slot.index, batch)
         except Unsendable as exc:
             self._unsendable(slot, batch, exc)
-            return
-        self.after_send(slot, batch)
 
     def _unsendable(self, slot: SlotRecord, batch: Batch, exc: Unsendable) -> None:
         """A batch that would not pickle (user data submit() could not check, such as a dict

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
 from slabpool.engine.core.slots import SlotRecord
-from slabpool.engine.core.states import TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
 from slabpool.workers.errors import EngineInternalError
@@ -167,11 +166,12 @@ class FastPath:
         self.enabled = can  # (False: every call takes the owner thread's path; bench.latency's A/B)
         self.lent: dict[int, Lend] = co.dispatcher.lent  # slot index -> its lend
         self.sleep_until = 0.0  # when the owner thread's wait ends (monotonic; inf: no timer)
-        self.served = 0  # lends made so far
+        self.lends = 0  # slots lent so far
+        self.served = 0  # lent calls whose answer their caller read (the whole call off the owner thread)
         self._local = threading.local()
         if self.transport is not None:
             self.transport.attach(self.lock, self._ended)
-            co.dispatcher.after_send = self._after_send
+            co.dispatcher.before_send = self._before_send
 
     # -- step 2 -> 3-4 -----------------------------------------------------------------------------
 
@@ -216,7 +216,9 @@ class FastPath:
                 finally:
                     lend: Lend | None = self._local.lend
                     self._local.task = self._local.lend = None
-                self._tell_owner(now, task)
+                if lend is not None and not lend.over and not self._waiting(lend):
+                    self.give_back(lend)  # (its batch was not sent: Unsendable)
+                self._tell_owner(now)
                 self.co.ledger.flush()
                 return lend
         finally:
@@ -232,9 +234,13 @@ class FastPath:
             return False
         return not any(s.batches and s.index not in self.lent for s in co.slots)
 
-    def _after_send(self, slot: SlotRecord, batch: Batch) -> None:
-        """The dispatcher's, after a RunBatch left whole: lend the slot to the caller that
-        dispatches, if the batch is its task alone and the slot holds nothing else."""
+    def _before_send(self, slot: SlotRecord, batch: Batch) -> None:
+        """The dispatcher's, as a RunBatch is about to leave: lend the slot to the caller
+        that dispatches, if the batch is its task alone and the slot holds nothing else. Before
+        the write: the answer, which may come before this thread runs again (the write wakes
+        the worker, which may take this core), must not wake the owner's selector. A write
+        that leaves an outbox ends the lend (the transport's `_on_backlog`); a batch that
+        could not be sent ends it below (`_dispatch_here`)."""
         task = getattr(self._local, "task", None)
         if task is None or batch.tasks != [task] or len(slot.batches) != 1 or not self.lock.held_here:
             return
@@ -242,21 +248,22 @@ class FastPath:
         fd = self.transport.lend(slot.index)
         if fd is not None:
             self._local.lend = self.lent[slot.index] = Lend(slot.index, batch, task, fd, fast=self)
-            self.served += 1
+            self.lends += 1
 
-    def _tell_owner(self, now: float, task: Task | None) -> None:
-        """After a dispatch here: wake the owner thread if the task still waits (no slot took
-        it), if it has something to do (a close, a reload, a call), or if a timer now comes
-        before the end of its sleep (task_timeout, a stall, a batch filling, a deadline). What
-        still waits in the queue otherwise goes at the next completion, whoever reads it."""
+    def _tell_owner(self, now: float) -> None:
+        """After a dispatch here: wake the owner thread if it has something to do (a close, a
+        reload, a call, a failure), or if a timer now comes before the end of its sleep
+        (task_timeout, a stall, a batch filling, a deadline, a loop's lend to look at). A task
+        still queued needs no wake-up: every slot that holds work is either the owner's, which
+        dispatches at its completion, or lent, and its lender dispatches when it gives it back
+        (or tells the owner, off the happy path)."""
         co = self.co
-        if (task is not None and task.state is TaskState.QUEUED) or co.thread.pending or co.reload is not None \
-                or co.ledger.closing is not None or co.ledger.failure is not None:
-            self.co.wake()
+        if co.thread.pending or co.reload is not None or co.ledger.closing is not None or co.ledger.failure is not None:
+            co.wake()
             return
-        wait = self.co.next_timer(now)
+        wait = co.next_timer(now, self.reclaim_at())
         if wait is not None and now + wait < self.sleep_until:
-            self.co.wake()
+            co.wake()
 
     @contextmanager
     def _acting(self) -> Iterator[None]:
@@ -339,10 +346,11 @@ class FastPath:
         if self._waiting(lend):
             co.ledger.flush()
             return
+        self.served += lend.batch not in co.slots[lend.slot].batches  # (answered, not cancelled)
         self.give_back(lend)
         now = time.monotonic()
         co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
-        self._tell_owner(now, None)
+        self._tell_owner(now)
         co.ledger.flush()
 
     def _waiting(self, lend: Lend) -> bool:
