@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -57,6 +58,8 @@ class Row:
     p50_us: float
     p99_us: float
     p999_us: float
+    cpu_us: float = 0.0  # CPU a call: this process (every thread) and its live child processes
+    children_us: float = 0.0  # ... of which its child processes (the workers)
 
     @property
     def rate(self) -> float:
@@ -142,10 +145,35 @@ def drive_async(acall: ACall, item: Any, tasks: int, seconds: float) -> tuple[li
     return asyncio.run(main())
 
 
-def summarize(name: str, conc: int, lat: list[int], seconds: float) -> Row:
+def summarize(name: str, conc: int, lat: list[int], seconds: float, cpu: tuple[float, float] = (0.0, 0.0)) -> Row:
     a = np.sort(np.asarray(lat, dtype=np.int64)) / 1000.0
     q = np.quantile(a, [0.5, 0.99, 0.999]) if len(a) else [np.nan] * 3
-    return Row(name, conc, len(a), seconds, float(q[0]), float(q[1]), float(q[2]))
+    n = max(len(a), 1)
+    return Row(name, conc, len(a), seconds, float(q[0]), float(q[1]), float(q[2]),
+               (cpu[0] + cpu[1]) / n * 1e6, cpu[1] / n * 1e6)
+
+
+def cpu_now() -> tuple[float, float]:
+    """CPU seconds so far: this process, and its live children (what a shared machine's load
+    moves least: the wall-clock figures are the scheduler's as much as ours)."""
+    import psutil
+
+    kids = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            kids += t.user + t.system
+        except psutil.Error:
+            pass
+    return time.process_time(), kids
+
+
+def measured(run: Callable[[], tuple[list[int], float]]) -> tuple[list[int], float, tuple[float, float]]:
+    """`run()`'s latencies and seconds, and the CPU it took (see cpu_now; includes warm-up)."""
+    own0, kids0 = cpu_now()
+    lat, seconds = run()
+    own1, kids1 = cpu_now()
+    return lat, seconds, (own1 - own0, kids1 - kids0)
 
 
 # -- the contenders ----------------------------------------------------------------------------
@@ -236,7 +264,7 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
 
     def cells(name: str, call: Call, concs: list[int]) -> None:
         for c in concs:
-            rows.append(summarize(name, c, *drive(call, item, c, args.seconds)))
+            rows.append(summarize(name, c, *measured(functools.partial(drive, call, item, c, args.seconds))))
             _print_row(rows[-1], None)
 
     if "floor" in want:
@@ -277,11 +305,12 @@ def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str],
             fast.enabled = on and fast.transport is not None
             try:
                 if "infer" in want:
-                    rows.append(summarize("Engine.infer" + tag, c, *drive(eng.infer, item, c, args.seconds)))
+                    rows.append(summarize("Engine.infer" + tag, c,
+                                          *measured(functools.partial(drive, eng.infer, item, c, args.seconds))))
                     _print_row(rows[-1], None)
                 if "async" in want:
                     rows.append(summarize("Engine.infer_async" + tag, c,
-                                          *drive_async(eng.infer_async, item, c, args.seconds)))
+                                          *measured(functools.partial(drive_async, eng.infer_async, item, c, args.seconds))))
                     _print_row(rows[-1], None)
             finally:
                 fast.enabled = fast.transport is not None
@@ -292,13 +321,13 @@ def _print_row(row: Row, ref: Row | None) -> None:
     if ref is not None and ref is not row:
         vs = (f"  {row.p50_us / ref.p50_us:5.2f}x {row.p99_us / ref.p99_us:5.2f}x "
               f"{row.rate / ref.rate:5.2f}x")
-    print(f"{row.contender:<22} {row.concurrency:>4} {row.p50_us:>9.1f} {row.p99_us:>9.1f} {row.p999_us:>9.1f} "
-          f"{row.rate:>10,.0f}{vs}", flush=True)
+    print(f"{row.contender:<34} {row.concurrency:>4} {row.p50_us:>9.1f} {row.p99_us:>9.1f} {row.p999_us:>9.1f} "
+          f"{row.rate:>10,.0f} {row.cpu_us:>7.0f} {row.children_us:>7.0f}{vs}", flush=True)
 
 
 def report(rows: list[Row]) -> None:
-    print("\ncontender              conc   p50 us    p99 us  p99.9 us    calls/s   vs ProcessPoolExecutor "
-          "(p50, p99, calls/s)")
+    print(f"\n{'contender':<34} conc   p50 us    p99 us  p99.9 us    calls/s  cpu us  kids us   vs "
+          "ProcessPoolExecutor (p50, p99, calls/s)")
     refs = {r.concurrency: r for r in rows if r.contender == "ProcessPoolExecutor"}
     for c in sorted({r.concurrency for r in rows}):
         for row in (r for r in rows if r.concurrency == c):

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from slabpool.engine.core.fastpath import Lender
 from slabpool.workers.errors import QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ async def _admit(
         submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
         lending = getattr(eng, "_lending_submit", None) if lend else None
         try:
-            return lending(submit) if lending is not None else submit()
+            return lending(submit, Lender.LOOP) if lending is not None else submit()
         except QueueFull:
             if block_timeout == 0:
                 raise

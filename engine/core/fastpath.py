@@ -39,6 +39,7 @@ at its next step after that.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import select
@@ -131,6 +132,15 @@ class OwnerLock:
             self.holder = threading.get_ident()
 
 
+class Lender(enum.Enum):
+    """Who waits on a task it submits: no one (submit()), a thread blocked in `FastPath.wait`,
+    or an event loop (a reader on the pipe, engine.caller.aio)."""
+
+    NONE = "none"
+    THREAD = "thread"
+    LOOP = "loop"
+
+
 @dataclass(eq=False)
 class Lend:
     """A slot lent to one waiting caller while it runs that caller's one-task batch."""
@@ -183,12 +193,12 @@ class FastPath:
             return
         self.co.wake()
 
-    def accept(self, accept: Callable[[], Task], lending: bool) -> tuple[Task, Lend | None]:
+    def accept(self, accept: Callable[[], Task], lending: Lender) -> tuple[Task, Lend | None]:
         """`accept()` (the queue's); then, for a caller that will wait on its task
         (`lending`), if the queue asked for a dispatch, dispatch from this thread when the
         owner is free, the slot lent to it. The task and its lend, if any: the caller sets
         `Lend.wake`, then looks at `Lend.over` (the owner may end it before)."""
-        if not lending or not self.enabled:
+        if lending is Lender.NONE or not self.enabled:
             return accept(), None
         local = self._local
         local.accepting, local.wanted = True, False
@@ -198,15 +208,15 @@ class FastPath:
             local.accepting = False
         if not local.wanted:
             return task, None  # every slot is full: a completion dispatches it
-        return task, self._dispatch_here(task)
+        return task, self._dispatch_here(task, lending)
 
-    def _dispatch_here(self, task: Task) -> Lend | None:
+    def _dispatch_here(self, task: Task, lending: Lender) -> Lend | None:
         if not self.lock.try_own():
             self.co.wake()
             return None
         try:
             with self._acting():
-                if not self._idle():
+                if not self._idle(lending):
                     self.co.wake()
                     return None
                 now = time.monotonic()
@@ -224,13 +234,18 @@ class FastPath:
         finally:
             self.lock.let_go()
 
-    def _idle(self) -> bool:
+    def _idle(self, lending: Lender) -> bool:
         """Nothing for the owner thread to do but this task: no close, failure or reload, no
-        call pending, nothing else queued, no slot holding work the owner reads."""
+        call pending, nothing else queued, no slot holding work the owner reads; for an event
+        loop, no other task in flight at all (a loop serves its other tasks between the answer
+        and its look: a lent slot, which takes no work meanwhile, would idle; measured: at 8
+        tasks on one loop, lends made it slower, docs/latency.md)."""
         co = self.co
         if co.ledger.closing is not None or co.ledger.failure is not None or co.reload is not None:
             return False
         if co.thread.pending or len(co.queue) != 1:
+            return False
+        if lending is Lender.LOOP and (self.lent or co.ledger.in_flight()):
             return False
         return not any(s.batches and s.index not in self.lent for s in co.slots)
 
@@ -349,7 +364,8 @@ class FastPath:
         self.served += lend.batch not in co.slots[lend.slot].batches  # (answered, not cancelled)
         self.give_back(lend)
         now = time.monotonic()
-        co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
+        if len(co.queue) or not co.queue.hungry:  # (hungry and empty: the next accept dispatches)
+            co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
         self._tell_owner(now)
         co.ledger.flush()
 

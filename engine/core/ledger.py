@@ -138,6 +138,10 @@ class TaskLedger:
             for task in self.queue.drain_all():
                 self.finish(task, error=cancelled(task, "the engine closed before it started", "closed"))
 
+    def in_flight(self) -> int:
+        """Tasks dispatched and not yet ended (cheap: the fast path asks on every call)."""
+        return len(self._unfinished)
+
     def unfinished(self) -> list[Task]:
         """Every task dispatched and not yet ended (the stop path ends each)."""
         return list(self._unfinished.values())

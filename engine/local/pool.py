@@ -19,7 +19,7 @@ from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
 from slabpool.engine.core.coordinator import Coordinator
-from slabpool.engine.core.fastpath import thread_wake
+from slabpool.engine.core.fastpath import Lender, thread_wake
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState
@@ -60,7 +60,7 @@ class Engine(BaseEngine):
         cfg = self.config
         self._state = EngineState.ACCEPTING
         self._close_lock = threading.Lock()
-        self._lending = threading.local()  # .on: this thread's submit is for a caller that waits on it
+        self._lending = threading.local()  # .who: who waits on this thread's submit (core.fastpath.Lender)
         self._metrics = Metrics()
         self._instance = new_instance_id()
         self._lock: InstanceLock | None = None
@@ -173,7 +173,7 @@ class Engine(BaseEngine):
 
         try:  # steps 3-4 on this thread when it waits on the task and the engine is idle
             task, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make),
-                                                   getattr(self._lending, "on", False))
+                                                   getattr(self._lending, "who", Lender.NONE))
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
@@ -188,7 +188,7 @@ class Engine(BaseEngine):
         """infer() of one task: on an idle engine its slot is lent to this thread, which
         waits on the worker's pipe and runs steps 8-9 itself (engine.core.fastpath); else, or
         once the owner thread takes over, it waits on the Future."""
-        fut = self._lending_submit(submit)
+        fut = self._lending_submit(submit, Lender.THREAD)
         lend = getattr(fut, "lend", None)
         if lend is not None:
             waker = thread_wake()
@@ -196,15 +196,16 @@ class Engine(BaseEngine):
             self._sup.fast.wait(lend, waker.fd)
         return fut.result().outputs
 
-    def _lending_submit(self, submit: Callable[[], Future[Result]]) -> Future[Result]:
-        """`submit()` for a caller that waits on the task at once: its Future's `lend` is
-        the slot lent to it, if one was (see `_lent_call`, engine.caller.aio)."""
+    def _lending_submit(self, submit: Callable[[], Future[Result]], who: Lender) -> Future[Result]:
+        """`submit()` for a caller that waits on the task at once (`who`: a thread, or an
+        event loop): its Future's `lend` is the slot lent to it, if one was (see `_lent_call`,
+        engine.caller.aio)."""
         lending = self._lending
-        lending.on = True
+        lending.who = who
         try:
             return submit()
         finally:
-            lending.on = False
+            lending.who = Lender.NONE
 
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         """End a task that a caller thread took out of the queue (it never reached a slot)."""
