@@ -107,6 +107,11 @@ class OwnerLock:
             self.holder = 0
             self._lock.release()
 
+    def own(self) -> None:
+        """Take the lock, waiting for it (not held by this thread: see `owning`)."""
+        self._lock.acquire()
+        self.holder = threading.get_ident()
+
     def try_own(self) -> bool:
         """Take the lock if it is free now (never waits; False when this thread holds it)."""
         if self.held_here or not self._lock.acquire(blocking=False):
@@ -215,22 +220,24 @@ class FastPath:
             self.co.wake()
             return None
         try:
-            with self._acting():
-                if not self._idle(lending):
-                    self.co.wake()
-                    return None
-                now = time.monotonic()
-                self._local.task, self._local.lend = task, None
-                try:
-                    self.co.dispatcher.dispatch(now)
-                finally:
-                    lend: Lend | None = self._local.lend
-                    self._local.task = self._local.lend = None
-                if lend is not None and not lend.over and not self._waiting(lend):
-                    self.give_back(lend)  # (its batch was not sent: Unsendable)
-                self._tell_owner(now)
-                self.co.ledger.flush()
-                return lend
+            if not self._idle(lending):
+                self.co.wake()
+                return None
+            now = time.monotonic()
+            self._local.task, self._local.lend = task, None
+            try:
+                self.co.dispatcher.dispatch(now)
+            finally:
+                lend: Lend | None = self._local.lend
+                self._local.task = self._local.lend = None
+            if lend is not None and not lend.over and not self._waiting(lend):
+                self.give_back(lend)  # (its batch was not sent: Unsendable)
+            self._tell_owner(now)
+            self.co.ledger.flush()
+            return lend
+        except BaseException as exc:
+            self._interrupted(exc)
+            raise
         finally:
             self.lock.let_go()
 
@@ -280,19 +287,14 @@ class FastPath:
         if wait is not None and now + wait < self.sleep_until:
             co.wake()
 
-    @contextmanager
-    def _acting(self) -> Iterator[None]:
-        """Around a caller's turn as the owner. What interrupts it fails the engine, as a bug
-        on the owner thread does: a step left half done would leave a task that never ends."""
-        try:
-            yield
-        except BaseException as exc:
-            log.exception("a caller acting as the owner was interrupted")
-            self.co.fail(EngineInternalError(
-                f"a caller acting as the engine's owner was interrupted ({exc!r}); the engine stopped"))
-            self.co.ledger.flush()
-            self.co.wake()
-            raise
+    def _interrupted(self, exc: BaseException) -> None:
+        """What interrupts a caller's turn as the owner (the lock held) fails the engine, as a
+        bug on the owner thread does: a step left half done would leave a task that never ends."""
+        log.exception("a caller acting as the owner was interrupted")
+        self.co.fail(EngineInternalError(
+            f"a caller acting as the engine's owner was interrupted ({exc!r}); the engine stopped"))
+        self.co.ledger.flush()
+        self.co.wake()
 
     # -- 8-9 on the lender's thread ----------------------------------------------------------------
 
@@ -312,8 +314,14 @@ class FastPath:
                         os.eventfd_read(wake_fd)
                     except BlockingIOError:
                         pass  # (read by another poll of this thread's: nothing pending)
-                with self.lock.owning(), self._acting():
+                self.lock.own()
+                try:
                     self.step(lend, readable)
+                except BaseException as exc:
+                    self._interrupted(exc)
+                    raise
+                finally:
+                    self.lock.let_go()
         finally:
             if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
                 with self.lock.owning():
@@ -330,8 +338,10 @@ class FastPath:
             self.abandon(lend)
             return
         try:
-            with self._acting():
-                self.step(lend, True)
+            self.step(lend, True)
+        except BaseException as exc:
+            self._interrupted(exc)
+            raise
         finally:
             self.lock.let_go()
 
@@ -442,6 +452,16 @@ class _WakeFd:
 
 
 _THREAD = threading.local()
+
+
+def _forget_thread_wakes() -> None:
+    """In a forked child: the eventfds are the parent's threads' too (a wake meant for a
+    parent's lender must not be read here); the child makes its own when it lends."""
+    global _THREAD
+    _THREAD = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_thread_wakes)
 
 
 def thread_wake() -> _WakeFd:
