@@ -12,6 +12,11 @@
                                                                       (ORT: written there by
                                                                       the run, IO binding)
 
+     fast path (engine.core.fastpath): an idle engine's infer() runs 3-4 on the caller's
+     thread and is lent slot k: it waits on pipe k itself and runs 8-9 (the owner's own code,
+     under the owner lock); infer_async lends it to the event loop. Under load, or off the
+     happy path (a death, a timer, a cancel, close), the owner thread does as drawn.
+
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
      writes the outputs in place once it has seen the output shapes of that input signature
@@ -44,8 +49,9 @@
 
 Where the code is (imports point one way: core <- caller <- local, ray; job on local):
 - `engine.core`: the owner both backends share, `coordinator.Coordinator`, a coordinator of
-  parts it holds: `owner.OwnerThread` (the one thread that changes slots and running tasks;
-  callers hand it callables: `call(fn, *args)`), `ledger.TaskLedger` (ends each task once,
+  parts it holds: `owner.OwnerThread` (the thread that changes slots and running tasks, while
+  it holds the owner lock; callers hand it callables: `call(fn, *args)`), `fastpath.FastPath`
+  (a caller that holds the owner lock acts as the owner: one call without a thread hop), `ledger.TaskLedger` (ends each task once,
   step 9: counters, histograms, Futures completed after the step), `dispatcher.Dispatcher`
   (steps 3-4, and 8-9 on a Done), `watchdog.Watchdog` (task_timeout, stall, start-up bound,
   back-off), `slots.SlotRecord` (a slot's state: one (state, event) table in `states`), and a

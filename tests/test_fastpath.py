@@ -110,6 +110,23 @@ def test_a_worker_killed_while_its_slot_is_lent_replays_the_call_once(models, tm
     assert (st.accepted, st.completed, st.failed, st.restarts, st.replayed) == (5, 5, 0, 1, 1)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_calls_one_after_another_are_each_lent_and_answered_on_the_callers_thread(models, workers):
+    """One caller, one call after another: each is lent a slot and its caller reads the answer
+    (`served`), on 1 worker (the slot just given back takes the next call) and on 2; outputs
+    byte-identical to the owner thread's path; the books balance."""
+    with Engine(models.mlp, workers=workers) as eng:
+        want = eng.submit(X).result(60).outputs["probs"]  # (submit: no caller waits on it)
+        _owner_asleep(eng)
+        before = _fast(eng).served
+        got = [eng.infer(X)["probs"] for _ in range(20)]
+        served = _fast(eng).served - before
+        st = eng.stats()
+    assert served == 20
+    assert all(g.tobytes() == want.tobytes() for g in got)
+    assert (st.accepted, st.completed, st.failed) == (21, 21, 0)
+
+
 def _flood(eng: Engine, threads: int, calls: int, fault_at: tuple[int, int], fault: FaultSpec) -> tuple[list[list[np.ndarray]], np.ndarray]:
     """`threads` threads each make `calls` single-row calls; the call at `fault_at` (thread,
     call) carries `fault`. Each thread's outputs in order, and the rows."""
