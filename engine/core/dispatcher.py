@@ -40,7 +40,10 @@ class Dispatcher:
 
     # -- steps 3-4 ---------------------------------------------------------------------------------
 
-    def dispatch(self, now: float) -> None:
+    def dispatch(self, now: float, once: bool = False) -> None:
+        """Steps 3-4 until no slot takes more (`once`: after the first batch sent; a caller's
+        own task, engine.core.fastpath: the queue held it alone, and what is accepted meanwhile
+        wakes the owner, the queue still hungry)."""
         self.batch_ready_at = None
         depth = self.cfg.inflight_per_slot
         wait_s = self.cfg.max_batch_wait_ms / 1000.0
@@ -69,6 +72,8 @@ class Dispatcher:
                 self.batch_ready_at = got
                 return
             self.send_batch(slot, got, now)
+            if once:
+                return
 
     def send_batch(self, slot: SlotRecord, batch: Batch, now: float) -> None:
         for task in batch.tasks:

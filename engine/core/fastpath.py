@@ -226,7 +226,7 @@ class FastPath:
             now = time.monotonic()
             self._local.task, self._local.lend = task, None
             try:
-                self.co.dispatcher.dispatch(now)
+                self.co.dispatcher.dispatch(now, once=True)
             finally:
                 lend: Lend | None = self._local.lend
                 self._local.task = self._local.lend = None
