@@ -26,6 +26,7 @@ import pytest
 
 from slabpool import Engine
 from slabpool.engine.caller import faults
+from slabpool.engine.core import fastpath
 from slabpool.workers.errors import EngineClosed, TaskCancelled, TaskTimeout
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
@@ -83,6 +84,9 @@ def _lent_call(eng: Engine, tmp_path: Path, tag: str) -> tuple[threading.Thread,
     t, out = _in_thread(eng.infer, _gated(tmp_path, tag, True))
     _until(lambda: (tmp_path / f"started-{tag}").exists(), "the gated task started")
     assert _fast(eng).lends == before + 1 and _fast(eng).lent, "the call was lent its slot"
+    (slot,) = _fast(eng).lent
+    w = eng._transport.workers[slot]
+    assert w.conn is not None and w.conn.fileno() not in eng._transport.selector._watched  # its caller's to poll
     return t, out
 
 
@@ -235,9 +239,11 @@ def gated_or_kill(item: dict[str, Any]) -> dict[str, np.ndarray]:
 # -- timers, cancel, close, reload ---------------------------------------------------------------
 
 
-def test_task_timeout_fires_on_a_lent_call(models):
+def test_task_timeout_fires_on_a_lent_call(models, monkeypatch):
     """A lent call that hangs in its run: the owner thread's timer (woken by the caller's
-    dispatch) kills the slot; the lender is told, TaskTimeout; the engine serves on."""
+    dispatch) kills the slot; the lender is told (the guard poll off), TaskTimeout; the engine
+    serves on."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
     with faults.build(Engine, models.mlp, workers=1, task_timeout=0.5) as eng:
         eng.infer(X)
         _owner_asleep(eng)
@@ -269,10 +275,12 @@ def test_a_deadline_expires_in_the_queue_behind_a_lent_call(models, tmp_path):
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["cancel", "cancel-kill"])
-def test_cancel_of_a_lent_call_gives_its_receipt_and_wakes_the_caller(models, tmp_path, kill):
+def test_cancel_of_a_lent_call_gives_its_receipt_and_wakes_the_caller(models, tmp_path, kill, monkeypatch):
     """cancel() of a running task whose slot is lent to its caller: the receipt is True, the
     caller's infer() raises TaskCancelled at once (its gate still closed: the lend was ended,
-    the caller woken), the task is never delivered; the slot serves on."""
+    the caller woken: the lender's guard poll is turned off, it would hide a missing wake-up),
+    the task is never delivered; the slot serves on."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
     with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
         eng.infer(_gated(tmp_path, "warm", False))
         t, out = _lent_call(eng, tmp_path, "a")
@@ -305,9 +313,11 @@ def test_close_during_a_lent_call_drains_it(models, tmp_path):
     assert eng.stats().completed == 2
 
 
-def test_close_with_a_timeout_cancels_a_lent_call(models, tmp_path):
+def test_close_with_a_timeout_cancels_a_lent_call(models, tmp_path, monkeypatch):
     """close(timeout=) expires while a caller waits on its lent slot: its call ends with
-    TaskCancelled (the receipt), the worker is stopped, nothing is left."""
+    TaskCancelled (the receipt; its caller told, the guard poll off), the worker is stopped,
+    nothing is left."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
     eng = Engine(models.mlp, workers=1, preprocess=GATED)
     eng.infer(_gated(tmp_path, "warm", False))
     t, out = _lent_call(eng, tmp_path, "a")
