@@ -167,18 +167,19 @@ class Engine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return Task(task_id, fut, Staged(packed, lease, wire_context), shape_key, items, context,
+            task = Task(task_id, fut, Staged(packed, lease, wire_context), shape_key, items, context,
                         self._seed(task_id), abs_deadline, request.fault, copy_in_s=copy_s, nbytes=nbytes,
                         units=request.units, step=request.step)
+            fut.slabpool_task = task  # before it can run: a caller's own dispatch (core.fastpath) runs
+            return task  # it before accept() returns, and cancel(fut) looks the task up here
 
         try:  # steps 3-4 on this thread when it waits on the task and the engine is idle
-            task, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make),
+            _, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make),
                                                    getattr(self._lending, "who", Lender.NONE))
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
             raise
-        fut.slabpool_task = task
         return fut
 
     def _call(self, inputs: Any, kw: dict[str, Any]) -> Any:
