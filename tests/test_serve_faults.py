@@ -16,6 +16,7 @@ import json
 import re
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -259,6 +260,50 @@ def test_a_client_that_goes_away_cancels_its_queued_request(server, tmp_path, tr
             assert all(f.result()[0] == 200 for f in held)
     finally:
         release.touch()
+
+
+def _answered(srv: Server, code: str) -> float:
+    """slabpool_serve_requests_total for model mlp over HTTP with this status code."""
+    want = {f'code="{code}"', 'model="mlp"', 'transport="http"'}
+    for m in re.finditer(r'^slabpool_serve_requests_total\{([^}]*)\} (\S+)$', httpx.get(f"{srv.url}/metrics").text, re.M):
+        if set(m.group(1).split(",")) == want:
+            return float(m.group(2))
+    return 0.0
+
+
+@pytest.mark.parametrize("pipelined", [0, 1, 3])
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_pipelining_client_that_goes_away_is_no_error_of_the_server(server, tmp_path, pipelined, how):
+    """A connection's first request is held by the worker, `pipelined` more wait behind it on the
+    same connection, and the client closes or resets it: the held request ends cancelled (499,
+    counted), the pipelined ones never start, and the server logs nothing. Was, with any
+    pipelined request: uvicorn marked only the newest request disconnected, so the cancelled
+    first one, left unanswered, was logged as an app that returned without answering (ERROR)
+    and given a 500 on the closed transport (a RuntimeError in the task)."""
+    release = tmp_path / "release"
+    log_from = len(server.stderr())
+    cancelled, accepted = _answered(server, "499"), metric(server, "slabpool_tasks_accepted_total")
+    req = json.dumps(_body(_x(70), f"hold:{release}")).encode()
+    first = b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(req), req)
+    try:
+        with socket.create_connection((server.host, server.http_port)) as sock:
+            sock.sendall(first + b"".join(_raw_infer(_x(71 + i)) for i in range(pipelined)))
+            wait_for(lambda: metric(server, "slabpool_tasks_accepted_total") == accepted + 1, "the held request")
+            if how == "reset":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        wait_for(lambda: _answered(server, "499") == cancelled + 1, "the held request to be cancelled")
+        log = server.stderr()[log_from:]  # the cancelled request's task logged (or not) before it was counted
+        assert "ERROR" not in log and "Traceback" not in log, log
+    finally:
+        release.touch()
+    wait_for(lambda: metric(server, "slabpool_busy_slots") == 0, "the held worker to be free")
+    assert metric(server, "slabpool_tasks_accepted_total") == accepted + 1  # the pipelined ones never ran
+    assert post(server, _x(75))[0] == 200
+
+
+def _raw_infer(x: np.ndarray) -> bytes:
+    body = json.dumps(_body(x)).encode()
+    return b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
 @contextlib.contextmanager

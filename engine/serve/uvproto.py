@@ -21,7 +21,11 @@ which a waiting handler would have to await in a task of its own (~20 us a reque
 of them the longer requests wait: under load, when the event loop can least afford it). The
 protocol knows it first (`connection_lost`), so it offers each request's scope an extension,
 `scope["extensions"][DISCONNECT]`: a list the app puts a callback in while it waits, called
-when the connection is lost (http.py cancels the request with it).
+when the connection is lost (http.py cancels the request with it). Before the callbacks, every
+request of the connection not yet answered is marked disconnected: uvicorn marks only its
+newest (`self.cycle`, which is a queued pipelined request while an earlier one runs), and the
+earlier one, cancelled by its callback and so left unanswered, was taken for an app that forgot
+to answer: an ERROR logged, and a 500 written to the closed transport (a RuntimeError).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 JOIN_BYTES = 64 * 1024
 DISCONNECT = "slabpool_disconnect"  # the scope extension: callbacks to run when the client goes away
@@ -85,13 +89,26 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.on_lost: list[Callable[[], None]] = []
+        self.unanswered: list[RequestResponseCycle] = []  # this connection's requests, running or pipelined
         super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {DISCONNECT: self.on_lost}  # type: ignore[dict-item]  # ASGI types it loosely
 
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycles = self.unanswered
+        if not cycles or cycles[-1] is not self.cycle:  # a new request (not an upgrade's early return)
+            while cycles and cycles[0].response_complete:  # answered in order: the oldest go first
+                del cycles[0]
+            cycles.append(self.cycle)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        for cycle in self.unanswered:  # uvicorn marks only self.cycle: the newest
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
         for callback in list(self.on_lost):
             callback()
