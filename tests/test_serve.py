@@ -730,6 +730,28 @@ def test_http11_connection_behaviours(server, case):
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
 
 
+@pytest.mark.parametrize("bad", [b"\x16\x03\x01 not http\r\n\r\n", b"GET /v2 HTTP/1.1\r\nBad Header\r\n\r\n",
+                                 b"POST /v2/models/mlp/infer HTTP/1.1\r\nContent-Length: x\r\n\r\n"],
+                         ids=["not-http", "bad-header", "bad-length"])
+@pytest.mark.parametrize("before", [1, 3])
+def test_a_bad_request_pipelined_after_good_ones_is_answered_after_them(server, before, bad):
+    """Good requests then bytes the parser refuses, in one send: each good request gets its own
+    answer, in order, then uvicorn's 400 and the connection's end. Was: the 400 at once, read by
+    the client as its first request's answer, and the good answers lost."""
+    good = [_infer_bytes(r) for r in range(1, before + 1)]
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:  # only a hang reaches it
+        s.sendall(b"".join(good) + bad)
+        buf = b""
+        while chunk := s.recv(65536):  # the server closes the connection after its 400
+            buf += chunk
+    answers = buf.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == before + 1, buf[:300]
+    for rows, answer in enumerate(answers[:-1], start=1):
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"200") and json.loads(body)["id"] == f"r{rows}"
+    assert answers[-1].startswith(b"400") and answers[-1].endswith(b"Invalid HTTP request received.")
+
+
 def _writes(pid: int) -> int:
     """Write syscalls (write, writev, ...) the process's main thread has made: the kernel's count."""
     io = open(f"/proc/{pid}/task/{pid}/io").read()  # the event loop's thread is the main thread

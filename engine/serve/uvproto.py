@@ -26,6 +26,11 @@ request of the connection not yet answered is marked disconnected: uvicorn marks
 newest (`self.cycle`, which is a queued pipelined request while an earlier one runs), and the
 earlier one, cancelled by its callback and so left unanswered, was taken for an app that forgot
 to answer: an ERROR logged, and a 500 written to the closed transport (a RuntimeError).
+
+Bytes the parser refuses end the connection with uvicorn's 400, written as they arrive; here
+after the answers to the requests before them on the connection (RFC 9112: pipelined answers
+in the order of their requests). uvicorn wrote it at once, so a client that pipelined a good
+request and a bad one read the 400 as its good request's answer, and lost that answer.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.on_lost: list[Callable[[], None]] = []
         self.unanswered: list[RequestResponseCycle] = []  # this connection's requests, running or pipelined
+        self.refused: str | None = None  # a 400 waiting for the answers before it
         super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
 
     def on_message_begin(self) -> None:
@@ -116,3 +122,15 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self.transport.flush()  # type: ignore[attr-defined]
         super().on_response_complete()
+        if self.refused is not None and self._answered() and not self.transport.is_closing():
+            super().send_400_response(self.refused)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._answered():
+            super().send_400_response(msg)
+            return
+        self.refused = msg  # sent when the last request before it is answered
+        self.flow.pause_reading()  # what follows the bad bytes is never parsed
+
+    def _answered(self) -> bool:
+        return all(c.response_complete for c in self.unanswered)
