@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -299,6 +300,66 @@ def test_a_body_past_max_request_bytes_is_413_and_never_buffered(server, route, 
     if how != "at the limit":
         assert "too large" in msg and f"{LIMIT} bytes" in msg and "--max-request-bytes" in msg, msg
     assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
+
+
+def _http_codes(server, model: str) -> dict[str, float]:
+    """slabpool_serve_requests_total over HTTP for `model`, by status code (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics").text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "slabpool_serve_requests")
+    return {s.labels["code"]: s.value for s in family.samples
+            if s.name.endswith("_total") and s.labels["model"] == model and s.labels["transport"] == "http"}
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+@pytest.mark.parametrize("length", ["content-length", "chunked"])
+def test_a_client_gone_before_its_body_is_counted_cancelled_not_bad(server, length, how):
+    """A request's head, then the client goes away before a byte of its body: counted 499 (the
+    client went away), not 400. Was: the disconnect read as an empty body, "not valid JSON"."""
+    before = _http_codes(server, "mlp")
+    framing = f"Content-Length: {LIMIT}" if length == "content-length" else "Transfer-Encoding: chunked"
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:
+        s.sendall(f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode())
+        if how == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 30  # only a hang reaches it
+    while sum((after := _http_codes(server, "mlp")).values()) == sum(before.values()):
+        assert time.monotonic() < deadline, "the abandoned request was never counted"
+    assert {c: n - before.get(c, 0) for c, n in after.items() if n != before.get(c, 0)} == {"499": 1}
+
+
+def test_a_load_whose_client_went_away_before_its_body_reloads_nothing():
+    """The repository's load reads a body ({"parameters": {"path": ...}}) and then reloads: a
+    client gone before its body came is not a load without parameters. Was: the disconnect read
+    as an empty body, and the model reloaded from its own file. Served by HttpApp itself, its
+    receive() saying what uvicorn's says when the client has gone."""
+    import asyncio
+
+    from slabpool.engine.serve.core import Frontend
+    from slabpool.engine.serve.http import HttpApp
+    from slabpool.engine.serve.metrics import RequestMetrics
+    from slabpool.engine.serve.models import Repository
+
+    loads: list[str] = []
+    sent: list[dict[str, Any]] = []
+
+    class Recording(Frontend):
+        async def load(self, name: str, params: dict[str, Any]) -> str:
+            loads.append(name)
+            return "1"
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    app = HttpApp(Recording(Repository([]), RequestMetrics()), LIMIT)
+    for framing in [(b"content-length", b"60"), (b"transfer-encoding", b"chunked")]:
+        scope = {"type": "http", "method": "POST", "path": "/v2/repository/models/mlp/load", "headers": [framing]}
+        asyncio.run(app(scope, receive, send))
+    assert loads == [] and sent == []
 
 
 def _grpc_raw(server, method: str, raw: bytes):

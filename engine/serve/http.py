@@ -200,6 +200,8 @@ async def _body(scope: Scope, receive: Receive, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(f"its Content-Length is {int(declared)} bytes", limit)
     msg = await receive()
+    if msg["type"] == "http.disconnect":  # gone before its body came: no body, not an empty one
+        raise ServeError("the client disconnected before its request was read", Status.CANCELLED)
     body = msg.get("body", b"")
     if not msg.get("more_body"):
         if len(body) > limit:
