@@ -813,6 +813,18 @@ def test_a_bad_request_pipelined_after_good_ones_is_answered_after_them(server, 
     assert answers[-1].startswith(b"400") and answers[-1].endswith(b"Invalid HTTP request received.")
 
 
+@pytest.mark.parametrize("chunks", [b"ZZ\r\n", b"5\r\n{\"inp\r\nZZ\r\n", b"5\r\n{\"inpXX"])
+def test_bad_chunk_framing_is_its_requests_400_at_once(server, chunks):
+    """Bytes the parser refuses inside a request's own chunked body are that request's: its 400
+    at once and the connection's end, never a wait for the rest of a body that cannot come."""
+    with socket.create_connection((server.host, server.http_port), timeout=30) as s:  # only a hang reaches it
+        s.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks)
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+    assert buf.startswith(b"HTTP/1.1 400") and buf.endswith(b"Invalid HTTP request received."), buf
+
+
 def _writes(pid: int) -> int:
     """Write syscalls (write, writev, ...) the process's main thread has made: the kernel's count."""
     io = open(f"/proc/{pid}/task/{pid}/io").read()  # the event loop's thread is the main thread

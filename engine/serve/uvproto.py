@@ -30,7 +30,8 @@ to answer: an ERROR logged, and a 500 written to the closed transport (a Runtime
 Bytes the parser refuses end the connection with uvicorn's 400, written as they arrive; here
 after the answers to the requests before them on the connection (RFC 9112: pipelined answers
 in the order of their requests). uvicorn wrote it at once, so a client that pipelined a good
-request and a bad one read the 400 as its good request's answer, and lost that answer.
+request and a bad one read the 400 as its good request's answer, and lost that answer. Bad
+bytes inside a request's body (a chunk's framing) are that request's: its 400 goes at once.
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
             super().send_400_response(self.refused)
 
     def send_400_response(self, msg: str) -> None:
-        if self._answered():
-            super().send_400_response(msg)
+        waiting = [c for c in self.unanswered if not c.response_complete]
+        if not waiting or any(c.more_body for c in waiting):  # none before it, or the bad bytes are
+            super().send_400_response(msg)  # in a request's own body: its 400 at once (uvicorn's)
             return
-        self.refused = msg  # sent when the last request before it is answered
+        self.refused = msg  # after whole requests: sent when the last of them is answered
         self.flow.pause_reading()  # what follows the bad bytes is never parsed
 
     def _answered(self) -> bool:
