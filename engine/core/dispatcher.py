@@ -49,19 +49,16 @@ class Dispatcher:
         wait_s = self.cfg.max_batch_wait_ms / 1000.0
         room = self.transport.room()  # (sizes are learnt from completions, not while dispatching)
         while True:
-            open_slots = [s for s in self.slots if s.state.can_take and len(s.batches) < depth and s.index not in self.lent]
-            if not open_slots:
+            slot, live = self._open_slot(depth)
+            if slot is None:
                 self.queue.hungry = False  # new tasks wait for a completion, which dispatches
                 return
-            slot = min(open_slots, key=lambda s: len(s.batches))  # step 3: idle slots first
-            budget = dispatch.task_budget(self.cfg, slot.incarnation_done, sum(len(b.tasks) for b in slot.batches),
-                                          False)
+            held = sum(len(b.tasks) for b in slot.batches) if slot.batches else 0
+            budget = dispatch.task_budget(self.cfg, slot.incarnation_done, held, False)
             if budget == 0:  # recycled after what it holds: no more work for this incarnation
                 slot.fire(SlotEvent.RETIRE)
                 self.retire_if_due(slot)
                 continue
-            live = sum(s.state.can_take for s in self.slots)  # the queue is shared by every slot,
-            # not only those open right now: a group sized for one open slot would starve the rest
             lim = dispatch.take_limits(
                 self.cfg, budget=min(budget, room.max_tasks), task_s=self.task_s, out_per_task=room.per_task,
                 out_per_item=room.per_item, capacity=room.capacity, busy=bool(slot.batches), live_slots=live)
@@ -74,6 +71,22 @@ class Dispatcher:
             self.send_batch(slot, got, now)
             if once:
                 return
+
+    def _open_slot(self, depth: int) -> tuple[SlotRecord | None, int]:
+        """Step 3 in one pass over the slots: the open slot (takes work, holds fewer than
+        `depth` batches, not lent) that holds the fewest batches, the first of them (idle
+        slots first); and how many slots take work (`live`: the queue is shared by every
+        slot, not only those open right now, and a group sized for one open slot would
+        starve the rest)."""
+        best: SlotRecord | None = None
+        live = 0
+        for s in self.slots:
+            if s.state.can_take:
+                live += 1
+                n = len(s.batches)
+                if n < depth and (best is None or n < len(best.batches)) and s.index not in self.lent:
+                    best = s
+        return best, live
 
     def send_batch(self, slot: SlotRecord, batch: Batch, now: float) -> None:
         for task in batch.tasks:

@@ -20,6 +20,10 @@ from slabpool.workers.errors import EngineInternalError
 
 
 class _Lifecycle(enum.Enum):
+    # identity, as their equality is: Enum's own __hash__ is a Python call (hash of the name),
+    # and a task's or a slot's move looks its state up in a table several times a call
+    __hash__ = object.__hash__
+
     def check(self, new: _Lifecycle) -> None:
         if new not in _ALLOWED[self]:
             raise EngineInternalError(f"illegal {type(self).__name__} transition {self.name} -> {new.name}")
@@ -41,9 +45,9 @@ class TaskState(_Lifecycle):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def is_terminal(self) -> bool:
-        return self in (TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED)
+    def __init__(self, value: str) -> None:
+        # a field, not a property: read several times a task on the hot path
+        self.is_terminal = value in ("done", "failed", "cancelled")
 
 
 _ALLOWED: dict[_Lifecycle, set[_Lifecycle]] = {
@@ -69,14 +73,12 @@ class SlotState(enum.Enum):
     DEAD = "dead"  # gone, waiting to be rebuilt
     STOPPED = "stopped"
 
-    @property
-    def can_take(self) -> bool:
-        return self in (SlotState.READY, SlotState.BUSY)
+    __hash__ = object.__hash__  # (see _Lifecycle)
 
-    @property
-    def live(self) -> bool:
-        """Started and not yet dead: its death is still to come."""
-        return self not in (SlotState.NEW, SlotState.DEAD, SlotState.STOPPED)
+    def __init__(self, value: str) -> None:
+        # fields, not properties: the dispatcher reads them for every slot on every dispatch
+        self.can_take = value in ("ready", "busy")
+        self.live = value not in ("new", "dead", "stopped")  # started and not yet dead: its death is to come
 
     def __repr__(self) -> str:
         return self.name
@@ -93,6 +95,8 @@ class SlotEvent(enum.Enum):
     EXIT = "exit"  # told to exit, or killed
     DIE = "die"  # its process (actor) is gone
     STOP = "stop"  # the engine stopped it for good
+
+    __hash__ = object.__hash__  # (see _Lifecycle: the slot table is keyed by (state, event))
 
 
 _S, _E = SlotState, SlotEvent

@@ -120,7 +120,7 @@ class SlotSelector:
     def lend(self, w: Slot) -> None:
         """A worker's pipe leaves the selector (w.lent is set): a caller polls it."""
         assert w.conn is not None
-        fd = w.conn.fileno()
+        fd = w.fd
         if self._watched.pop(fd, None) is not None:
             self._unregister(fd)
 
@@ -128,7 +128,7 @@ class SlotSelector:
         """A lent pipe comes back (w.lent is cleared), with its outbox's events."""
         if w.conn is None or self._wake_closed:
             return
-        fd = w.conn.fileno()
+        fd = w.fd
         if fd not in self._watched:
             key = _same_or_new(self._watched, fd, Watched.CONN, w, w.conn)
             self._selector.register(fd, _events(key), key)

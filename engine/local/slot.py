@@ -38,6 +38,7 @@ class Slot:
         self.incarnation = 0
         self.process: BaseProcess | None = None
         self.conn: Connection | None = None
+        self.fd = -1  # conn's file descriptor, kept while conn is set (Connection.fileno() is two Python calls)
         self.reader: FrameReader | None = None  # reads conn's frames in bulk
         self.pid = 0
         self.up = False  # this incarnation sent its Ready
@@ -63,7 +64,7 @@ class Slot:
         proc.start()
         child.close()
         os.set_blocking(parent.fileno(), False)
-        self.process, self.conn, self.pid = proc, parent, proc.pid or 0
+        self.process, self.conn, self.pid, self.fd = proc, parent, proc.pid or 0, parent.fileno()
         self.reader = FrameReader(parent.fileno())
         self.outbox = bytearray()
         self.sent.clear()
@@ -86,7 +87,7 @@ class Slot:
             return True
         frame = head(len(data))
         try:
-            n = os.writev(self.conn.fileno(), (frame, data))
+            n = os.writev(self.fd, (frame, data))
         except BlockingIOError:
             n = 0
         except OSError:
@@ -107,7 +108,7 @@ class Slot:
             self.outbox.clear()
             return True
         try:
-            n = os.write(self.conn.fileno(), self.outbox)
+            n = os.write(self.fd, self.outbox)
         except BlockingIOError:
             return False
         except OSError:
@@ -152,7 +153,7 @@ class Slot:
         if self.conn is not None:
             self.conn.close()
         self.process.close()
-        self.process, self.conn, self.reader = None, None, None
+        self.process, self.conn, self.reader, self.fd = None, None, None, -1
         self.lent = False
         self.outbox = bytearray()  # nobody will read it
         return code

@@ -215,7 +215,7 @@ class LocalTransport:
             return None
         w.lent = True
         self.selector.lend(w)
-        return os.dup(w.conn.fileno())
+        return os.dup(w.fd)
 
     def give_back(self, slot: int) -> None:
         w = self.workers[slot]
@@ -283,7 +283,7 @@ class LocalTransport:
         for frame in frames or ():
             self._on_message(w, decode(frame))
         if frames is None:
-            w.conn = None  # the worker is gone; its sentinel will fire
+            w.conn, w.fd = None, -1  # the worker is gone; its sentinel will fire
             self.selector.forget(conn.fileno())
             conn.close()
             self._unlend(w)  # (an EOF on a lent pipe: the death is the owner thread's)
