@@ -275,16 +275,16 @@ _RUN, _DONE, _GRANT, _NEED, _OTHER = range(5)
 def encode(msg: Any) -> bytes:
     kind = type(msg)
     if kind is RunBatch:
-        tasks = tuple(
+        tasks = tuple([  # (a list comprehension: a generator is a Python call per element)
             (t.task_id, t.attempt, t.seed, *_flat_packed(t.item), t.context, t.fault, t.deadline, t.step)
             for t in msg.tasks
-        )
+        ])
         wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks)
     elif kind is BatchDone:
-        outs = tuple(
+        outs = tuple([
             (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
             for o in msg.outcomes
-        )
+        ])
         wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs, msg.in_place)
     elif kind is OutputGrant:
         wire = (_GRANT, msg.batch_id, msg.offset, msg.nbytes, msg.error)
@@ -300,13 +300,13 @@ def decode(data: bytes) -> Any:
     kind = wire[0]
     if kind == _RUN:
         _, batch_id, stack, off, nbytes, tasks = wire
-        specs = tuple(TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]) for t in tasks)
+        specs = tuple([TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]) for t in tasks])
         return RunBatch(batch_id, specs, stack, off, nbytes)
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire
-        outcomes = tuple(
+        outcomes = tuple([
             Outcome(o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4]) for o in outs
-        )
+        ])
         return BatchDone(batch_id, outcomes, run_s, rss, in_place)
     if kind == _GRANT:
         return OutputGrant(*wire[1:])
@@ -318,7 +318,7 @@ def decode(data: bytes) -> Any:
 def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
     """(flat, names or skeleton, refs as plain tuples): a dict of arrays sends only its names."""
     sk = p.skeleton
-    refs = tuple(tuple(r) for r in p.arrays)
+    refs = tuple([tuple(r) for r in p.arrays])
     if type(sk) is FlatSkeleton:
         return True, tuple(sk), refs
     if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
@@ -328,7 +328,7 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
 
 
 def _unflat(flat: bool, sk: Any, refs: tuple[tuple[Any, ...], ...]) -> Packed:
-    arrays = tuple(ArrayRef(*r) for r in refs)
+    arrays = tuple([ArrayRef(*r) for r in refs])
     return Packed(flat_skeleton(sk) if flat else sk, arrays)
 
 

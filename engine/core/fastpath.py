@@ -254,7 +254,10 @@ class FastPath:
             return False
         if lending is Lender.LOOP and (self.lent or co.ledger.in_flight()):
             return False
-        return not any(s.batches and s.index not in self.lent for s in co.slots)
+        for s in co.slots:  # (a loop, not any() of a generator: asked on every call)
+            if s.batches and s.index not in self.lent:
+                return False
+        return True
 
     def _before_send(self, slot: SlotRecord, batch: Batch) -> None:
         """The dispatcher's, as a RunBatch is about to leave: lend the slot to the caller
@@ -307,9 +310,9 @@ class FastPath:
         poller.register(wake_fd, select.POLLIN)
         try:
             while not lend.over:
-                got = poller.poll(POLL_S * 1000.0)
-                readable = any(fd == lend.fd for fd, _ in got)
-                if any(fd == wake_fd for fd, _ in got):
+                got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
+                readable = lend.fd in got
+                if wake_fd in got:
                     try:
                         os.eventfd_read(wake_fd)
                     except BlockingIOError:
@@ -417,7 +420,11 @@ class FastPath:
 
     def reclaim_at(self) -> float | None:
         """When the owner must look at an event loop's lend next (see RECLAIM_S)."""
-        return min((lend.reclaim_at for lend in self.lent.values() if lend.reclaim_at is not None), default=None)
+        due: float | None = None  # (a loop: asked twice a call, where a thread's lend has none)
+        for lend in self.lent.values():
+            if lend.reclaim_at is not None and (due is None or lend.reclaim_at < due):
+                due = lend.reclaim_at
+        return due
 
     def end_all(self) -> None:
         """The stop path (under the lock): every lend goes back, none is made again."""

@@ -115,4 +115,4 @@ class OutputRegions:
 
 def batch_key(batch: Batch) -> tuple[Any, ...]:
     """Batches with equal keys had outputs of equal size so far (sizes predicted from it)."""
-    return tuple((t.shape_key, t.rows) for t in batch.tasks)
+    return tuple([(t.shape_key, t.rows) for t in batch.tasks])  # (asked twice a batch: no generator)

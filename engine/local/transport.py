@@ -111,8 +111,8 @@ class LocalTransport:
         sent = Sent(batch)
         out = self.regions.lease_predicted(sent, ahead=len(w.sent) > 0)
         fi = self.cfg.fault_injection
-        specs = tuple(TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
-                               t.deadline, t.step) for t in batch.tasks)
+        specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
+                                t.deadline, t.step) for t in batch.tasks])
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0))
         except Exception as exc:
