@@ -16,6 +16,7 @@ import pytest
 from tests.models import onnx_models, tflite_models
 from tests.ray_support import inner
 
+pytest_plugins = ("tests.ray_support.plugin",)  # the `backend` fixture, the confined run's hooks
 _MP_INFRA = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 _NETNS = os.readlink("/proc/self/ns/net")
 _inner_run: inner.InnerRun | None = None  # the confined Ray run, while it runs beside the tests
@@ -57,6 +58,11 @@ def slabpool_shm() -> list[str]:
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     yield
+    if inner.INNER:  # the confined Ray run: Ray's daemons stay up for the run
+        from tests.ray_support.plugin import nothing_of_ours_left
+
+        nothing_of_ours_left()
+        return
     deadline = time.monotonic() + 10  # only a leak reaches it
     while (our_children() or slabpool_shm()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -80,13 +86,14 @@ def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_inner_run(request: pytest.FixtureRequest, weight_cache: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[inner.InnerRun | None]:
     """The Ray cases' confined run, started before the first test when a selected case will
-    report it, so that its ~2 min (mostly ray.init and actors starting) overlap the rest of the
-    suite; test_ray.py's first [ray] case waits for it."""
+    report it, so that its minutes (mostly ray.init and actors starting) overlap the rest of the
+    suite; the first [ray] case (they run last) waits for it."""
     global _inner_run
-    if os.environ.get("SLABPOOL_RAY_NETNS") == "1" or inner.why_no_ray() or not inner.wanted(request.session.items):
+    cases = inner.wanted(request.session.items)
+    if inner.INNER or inner.why_no_ray() or not cases:
         yield None
         return
-    _inner_run = inner.InnerRun(tmp_path_factory.mktemp("ray_inner"))
+    _inner_run = inner.InnerRun(tmp_path_factory.mktemp("ray_inner"), cases)
     try:
         yield _inner_run
     finally:

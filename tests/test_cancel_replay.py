@@ -3,7 +3,8 @@ takes the engine down, never frees inputs a worker may still read, and every oth
 right, once.
 
 The table: (where the task is when cancelled) x (what it is: a single task, a member of a group,
-a member of a stacked batch, a map() chunk) x start methods. Each case kills its worker from
+a member of a stacked batch, a map() chunk) x (both start methods, and Ray: the ledger and the
+queue are the one owner's; a chunk is the local engine's, chunked_map is False on Ray). Each case kills its worker from
 inside a task (tests.owner_hooks.gated) and holds the rebuilt worker in its initializer until
 the test lets it go (tests.owner_hooks.hold_rebuilt), so "waits to replay" and "in hand" are
 states the test reaches, not moments it hopes for:
@@ -26,9 +27,12 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
+from slabpool.engine.caller.request import Request
 from slabpool.workers import packing
 from slabpool.workers.errors import TaskCancelled
 from tests.owner_hooks import DEADLOCK_S
+from tests.ray_support.plugin import RAY
+from tests.ray_support.plugin import build as build_on
 
 X = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
 BATCH = 8  # tasks in the batch that dies: a group of 8 goes ahead to a busy slot (MIN_GROUP)
@@ -57,6 +61,10 @@ class Case:
     def item(self, x: np.ndarray = X, **files: str) -> dict[str, Any]:
         return {"x": x, **{k: str(self.tmp / v) for k, v in files.items()}}
 
+    def first(self) -> Future[Any]:
+        """G: alone at once, never waiting for batch mates."""
+        return alone(self.eng, self.item(gate="gate-g"))
+
     def submit(self, item: dict[str, Any], *, chunk: bool = False) -> Future[Any]:
         if chunk:  # a map() chunk: one task, an outcome per item
             return self.eng._submit_chunk([self.item(), item, self.item()], None)
@@ -72,8 +80,8 @@ class Case:
             (tmp / name).touch()
         # groups follow the measured run time per task: pin it tiny, so that the batch is one
         # group sent ahead on any machine (a step measured slow under load sends one by one)
-        self.eng._sup.call(setattr, self.eng._sup.dispatcher, "task_s", 1e-5).result()
-        self.others.append(self.eng._submit_chunk([self.item(gate="gate-g")], None))  # G
+        self.eng._owner.call(setattr, self.eng._owner.dispatcher, "task_s", 1e-5).result()
+        self.others.append(self.first())  # G
         wait_until((tmp / "gate-g.in").exists, "G in hand")
         single = self.kind == "single" and self.where in ("replay", "in hand")
         k = self.submit(self.item(kill_once="k", **({"gate": "gate-v"} if single and self.where == "in hand" else {})))
@@ -102,20 +110,34 @@ class Case:
             self.victim.result(timeout=DEADLOCK_S)
 
 
+def alone(eng: Engine, item: dict[str, Any]) -> Future[Any]:
+    """A task that never waits for batch mates: a chunk of one item; on Ray, which has no
+    chunks, a task that counts no rows (as infer(batch_size=) sends a block)."""
+    if eng.chunked_map:
+        return eng._submit_chunk([item], None)
+    return eng._submit(Request(item, units=0))
+
+
 def reference(eng: Engine, x: np.ndarray = X) -> np.ndarray:
-    """The outputs of one item alone (as a chunk: a stacked engine would wait for its mates)."""
-    return packing.chunk_items(eng._submit_chunk([{"x": x}], None).result(timeout=DEADLOCK_S).outputs)[0]["probs"]
+    """The outputs of one item alone (a stacked engine would wait for its mates)."""
+    outputs = alone(eng, {"x": x}).result(timeout=DEADLOCK_S).outputs
+    return (packing.chunk_items(outputs)[0] if eng.chunked_map else outputs)["probs"]
 
 
-def build(models: Any, tmp: Path, kind: str, start_method: str) -> Engine:
+def build(models: Any, tmp: Path, kind: str, where: str) -> Engine:
+    """One slot; `where`: a start method, or "ray"."""
+    if where == RAY and kind == "chunk":
+        pytest.skip("a map() chunk is one task of many items on the local engine only (chunked_map is False on Ray)")
     stacked = {"max_batch_size": BATCH, "max_batch_wait_ms": 600_000} if kind == "stacked" else {}
-    return Engine(models.mlp, workers=1, start_method=start_method, preprocess="tests.owner_hooks:gated",
-                  initializer="tests.owner_hooks:hold_rebuilt", initargs=(str(tmp),), queue_capacity=64, **stacked)
+    return build_on(where, models.mlp, workers=1, preprocess="tests.owner_hooks:gated",
+                    initializer="tests.owner_hooks:hold_rebuilt", initargs=(str(tmp),), queue_capacity=64, **stacked)
+
+
 
 
 @pytest.mark.parametrize("where,kind", CASES, ids=[f"{w.replace(' ', '-')}-{k}" for w, k in CASES])
-def test_cancel_anywhere_leaves_the_others_and_the_engine_whole(models, tmp_path, start_method, where, kind):
-    with build(models, tmp_path, kind, start_method) as eng:
+def test_cancel_anywhere_leaves_the_others_and_the_engine_whole(models, tmp_path, start_or_ray, where, kind):
+    with build(models, tmp_path, kind, start_or_ray) as eng:
         want = reference(eng)
         case = Case(eng, tmp_path, where, kind)
         case.run_up_to_the_death()
@@ -149,13 +171,13 @@ def test_cancel_anywhere_leaves_the_others_and_the_engine_whole(models, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["group", "stacked"])
-def test_cancelled_replays_are_never_sent_again(models, tmp_path, kind):
+def test_cancelled_replays_are_never_sent_again(models, tmp_path, backend, kind):
     """The issue's case, many times over: half a dead worker's batch is cancelled while it
     waits to replay, and new tasks lease inputs meanwhile (the freed memory is reused at
     once). A cancelled task's inputs are freed then, so it must never reach a worker: it did,
     and the answer of a task the supervisor no longer held failed every task with
     EngineInternalError."""
-    with build(models, tmp_path, kind, "forkserver") as eng:
+    with build(models, tmp_path, kind, "forkserver" if backend == "local" else backend) as eng:
         case = Case(eng, tmp_path, "replay", kind)
         case.run_up_to_the_death()
         batch = case.others[1:]  # K and seven mates; the victim of the case too

@@ -1,31 +1,21 @@
-"""One contract suite, two backends: `Engine(model, workers=2)` and `RayEngine(model, workers=2)`.
+"""One contract suite, two backends: `Engine(model, workers=2)` and `RayEngine(model, workers=2)`,
+and the Ray-only cases (Ray Data, placement, node loss, the Ray docs).
 
-The local cases run here. The Ray cases need a Ray cluster confined to loopback, so this same
-file is re-run once, in a subprocess, inside a private network namespace with only `lo` up and a
-/dev/shm of its own; conftest starts it with the session (tests/ray_support/inner.py), so it runs
-beside the rest of the suite:
-
-    pytest (this process)                      unshare -n -m: lo up, own /dev/shm; pytest (inner)
-      test_x[local]  runs here                   ray.init(num_cpus=2) once for the module
-      test_x[ray]    reports the inner outcome   test_x[ray] runs for real; test_x[local] skips
-      after the run: no process may be left in that namespace (checked by its inode)
-
-Inside, the conftest leak check is narrowed to what a test may leave: no actor of ours
-(`ray::SlotActor`, Ray Data's `MapWorker`), no second node, no slabpool shared memory; the Ray
-daemons themselves must be gone after `ray.shutdown()` at the end of the module.
-Skipped, with the reason, when Ray, `unshare`, `ip` or `mount` is missing, or without root.
+Each `backend` case runs twice: test_x[local] here, test_x[ray] in the confined Ray run
+(tests/ray_support/plugin.py draws how; inner.py starts it, beside the rest of the suite). The
+other test modules run their behaviour cases on both backends the same way (tests/backends.py
+says which, and why the rest do not apply). Skipped, with the reason, when Ray, `unshare`,
+`ip` or `mount` is missing, or without root.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,124 +28,11 @@ import pytest
 from slabpool import Engine, RayEngine, SignatureChanged
 from slabpool.engine.core.states import EngineState
 from slabpool.workers import errors as E
-from tests.conftest import our_children, slabpool_shm
 from tests.models import onnx_models
-from tests.ray_support.inner import INNER_TIMEOUT_S, InnerRun, why_no_ray
+from tests.ray_support.plugin import build
 from tests.reference import ort_run
 
-INNER = os.environ.get("SLABPOOL_RAY_NETNS") == "1"
 HOOK = "tests.ray_support.hooks:staged"
-DELEGATED = "ray, run in the private network namespace"
-OURS = ("SlotActor", "MapWorker", "ray start", "ray/scripts/scripts.py start")
-if not INNER:  # the first [ray] case waits for the whole confined run: the deadlock guard covers it
-    pytestmark = pytest.mark.timeout(INNER_TIMEOUT_S + 60)
-
-
-# -- the outer run: the Ray cases' outcomes come from the confined run ---------------------------
-
-
-@pytest.fixture(scope="module")
-def inner_results(ray_inner_run: InnerRun | None) -> dict[str, tuple[str, str]]:
-    reason = why_no_ray()
-    if reason:
-        pytest.skip(reason)
-    assert ray_inner_run is not None, "conftest starts the confined run when a selected case reports it"
-    return ray_inner_run.results()
-
-
-def report_inner(request: pytest.FixtureRequest) -> None:
-    """The outcome of this case in the confined run, as this case's own outcome."""
-    results = request.getfixturevalue("inner_results")
-    outcome, text = results.get(request.node.name, ("missing", results["__output__"][1]))
-    if outcome == "failed":
-        pytest.fail(f"failed in the confined Ray run:\n{text}", pytrace=False)
-    if outcome == "skipped":
-        pytest.skip(text.strip().splitlines()[0] if text.strip() else "skipped in the confined run")
-    if outcome == "missing":
-        pytest.fail(f"not run in the confined Ray run; its output:\n{text}", pytrace=False)
-
-
-# -- the inner run: one confined Ray cluster for the module -------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[SimpleNamespace]:
-    import ray
-
-    if path := os.environ.get("SLABPOOL_RAY_NETNS_FILE"):
-        Path(path).write_text(os.readlink("/proc/self/ns/net"))
-    # address="local": never join a cluster some other run left recorded in RAY_TMPDIR
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        ctx = ray.get_runtime_context()
-        yield SimpleNamespace(ray=ray, gcs=ctx.gcs_address, head=ctx.get_node_id())
-    finally:
-        ray.shutdown()
-    deadline = time.monotonic() + 20  # only a leak reaches it
-    while our_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    kids = our_children()
-    for p in kids:
-        p.kill()
-    assert not kids, f"Ray processes left after ray.shutdown(): {[(p.pid, p.cmdline()) for p in kids]}"
-
-
-def ours_left() -> list[tuple[int, str]]:
-    left = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if any(name in cmd for name in OURS):
-            left.append((p.pid, cmd))
-    return left
-
-
-if INNER:
-
-    @pytest.fixture(autouse=True)
-    def nothing_left_behind() -> Iterator[None]:  # overrides conftest's: Ray's daemons stay up
-        yield
-        deadline = time.monotonic() + 15  # only a leak reaches it
-        while (ours_left() or slabpool_shm()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = ours_left()
-        for pid, _ in left:
-            psutil.Process(pid).kill()
-        assert not left, f"actors or nodes left behind: {left}"
-        assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
-
-
-# -- the suite ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["local", "ray"])
-def backend(request: pytest.FixtureRequest) -> str:
-    name = str(request.param)
-    if name == "local" and INNER:
-        pytest.skip("the local backend runs in the outer pytest process")
-    if name == "ray" and not INNER:
-        report_inner(request)
-        return DELEGATED
-    if name == "ray":
-        request.getfixturevalue("ray_cluster")
-    return name
-
-
-@pytest.fixture
-def ray_only(request: pytest.FixtureRequest) -> SimpleNamespace | None:
-    if not INNER:
-        report_inner(request)
-        return None
-    cluster: SimpleNamespace = request.getfixturevalue("ray_cluster")
-    return cluster
-
-
-def build(backend: str, model: Path, **kw: Any) -> Any:
-    if backend == "ray":
-        return RayEngine(model, workers=2, **kw)
-    return Engine(model, workers=2, **kw)
 
 
 def rows(seed: int, n: int = 3) -> np.ndarray:
@@ -178,8 +55,6 @@ def completions(futs: list[Future[Any]]) -> list[int]:
 
 
 def test_results_equal(backend: str, models: SimpleNamespace) -> None:
-    if backend == DELEGATED:
-        return
     xs = [rows(i, n=1 + i % 4) for i in range(12)]
     with build(backend, models.mlp) as eng:
         assert eng.state is EngineState.ACCEPTING
@@ -203,8 +78,6 @@ def test_blocks_of_many_calls_equal_the_same_blocks_run_serially(backend: str, m
     """infer(batch_size=) on either backend: tasks of several session calls of 50 rows each,
     byte-identical to those blocks run one after another (a model whose every output row
     depends on the rows it ran with)."""
-    if backend == DELEGATED:
-        return
     x = np.random.default_rng(7).standard_normal((3001, 16)).astype(np.float32)
     with build(backend, models.centered) as eng:
         eng.infer(x[:1000], batch_size=50)  # the run time per row is known from here on
@@ -219,8 +92,6 @@ def test_blocks_of_many_calls_equal_the_same_blocks_run_serially(backend: str, m
 def test_metrics_are_the_same_families(backend: str, models: SimpleNamespace) -> None:
     """Both backends share the task ledger: the same counters, the same histograms, the same
     exposition, and prometheus_client registration works on each."""
-    if backend == DELEGATED:
-        return
     import prometheus_client
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -253,8 +124,6 @@ def test_the_backends_offer_the_same_methods() -> None:
 
 
 def test_input_contract_errors_at_submit(backend: str, models: SimpleNamespace) -> None:
-    if backend == DELEGATED:
-        return
     with build(backend, models.mlp) as eng:
         with pytest.raises(E.InputContractError, match="dtype"):
             eng.submit({"x": rows(0).astype(np.float64)})
@@ -266,8 +135,6 @@ def test_input_contract_errors_at_submit(backend: str, models: SimpleNamespace) 
 
 
 def test_submit_after_close(backend: str, models: SimpleNamespace) -> None:
-    if backend == DELEGATED:
-        return
     eng = build(backend, models.mlp)
     eng.close()
     eng.close()  # idempotent
@@ -278,8 +145,6 @@ def test_submit_after_close(backend: str, models: SimpleNamespace) -> None:
 
 
 def test_cancel_queued_task(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
-    if backend == DELEGATED:
-        return
     gate = tmp_path / "gate"
     with build(backend, models.mlp, preprocess=HOOK, inflight_per_slot=2) as eng:
         blockers = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(4)]  # fill 2 slots x 2
@@ -294,8 +159,6 @@ def test_cancel_queued_task(backend: str, models: SimpleNamespace, tmp_path: Pat
 
 
 def test_cancel_running_task_with_kill(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
-    if backend == DELEGATED:
-        return
     gate = tmp_path / "gate"
     with build(backend, models.mlp, preprocess=HOOK, inflight_per_slot=1) as eng:
         futs = [eng.submit({"x": rows(i), "gate": str(gate)}) for i in range(3)]  # 2 running, 1 queued
@@ -319,8 +182,6 @@ def wait_until(cond: Any, timeout: float = 30.0) -> None:
 
 
 def test_sigkill_mid_task_is_replayed_once(backend: str, models: SimpleNamespace, tmp_path: Path) -> None:
-    if backend == DELEGATED:
-        return
     xs = [rows(i) for i in range(8)]
     with build(backend, models.mlp, preprocess=HOOK) as eng:
         futs = [eng.submit({"x": x, "kill_once": str(tmp_path / "killed")} if i == 3 else {"x": x})
@@ -340,8 +201,6 @@ def test_sigkill_mid_task_is_replayed_once(backend: str, models: SimpleNamespace
 
 
 def test_poison_task_is_quarantined(backend: str, models: SimpleNamespace) -> None:
-    if backend == DELEGATED:
-        return
     xs = [rows(i) for i in range(6)]
     with build(backend, models.mlp, preprocess=HOOK, max_attempts=2) as eng:
         futs = [eng.submit({"x": x, "poison": True} if i == 2 else {"x": x}) for i, x in enumerate(xs)]
@@ -359,8 +218,6 @@ def test_poison_task_is_quarantined(backend: str, models: SimpleNamespace) -> No
 def test_an_engine_dropped_without_close_is_collected_and_stops(backend: str, models: SimpleNamespace) -> None:
     """Nothing the owner thread keeps refers to the engine: dropped, it is collected at once
     (a Future kept by the caller refers to it weakly), says so, and stops its workers/actors."""
-    if backend == DELEGATED:
-        return
     import gc
     import warnings
     import weakref
@@ -406,8 +263,6 @@ def _load(eng: Any, xs: list[np.ndarray], out: list[tuple[np.ndarray, Future[Any
 def test_reload_under_load_loses_nothing_and_tags_every_result(
     backend: str, models: SimpleNamespace, v2: Path, drain: bool
 ) -> None:
-    if backend == DELEGATED:
-        return
     xs = [rows(i, n=2) for i in range(8)]
     with build(backend, models.mlp) as eng:
         v1 = eng.model_version
@@ -436,8 +291,6 @@ def test_reload_under_load_loses_nothing_and_tags_every_result(
 def test_a_model_that_does_not_load_leaves_the_old_one_serving(
     backend: str, models: SimpleNamespace, tmp_path: Path
 ) -> None:
-    if backend == DELEGATED:
-        return
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"garbage")
     with build(backend, models.mlp) as eng:
@@ -451,8 +304,6 @@ def test_a_model_that_does_not_load_leaves_the_old_one_serving(
 
 
 def test_signature_change_is_refused_unless_allowed(backend: str, models: SimpleNamespace) -> None:
-    if backend == DELEGATED:
-        return
     image = np.ones((1, 3, 16, 16), np.float32)
     with build(backend, models.mlp) as eng:
         v1 = eng.model_version
@@ -471,8 +322,6 @@ def test_a_slot_rebuilt_after_a_reload_runs_the_new_model(
     backend: str, models: SimpleNamespace, v2: Path, tmp_path: Path
 ) -> None:
     """A worker (an actor) that dies after the swap comes back on the new model."""
-    if backend == DELEGATED:
-        return
     with build(backend, models.mlp, preprocess=HOOK) as eng:
         new = eng.reload(v2, timeout=120)
         res = eng.submit({"x": rows(3), "kill_once": str(tmp_path / "killed")}).result(60)
@@ -487,8 +336,6 @@ def test_a_slot_rebuilt_after_a_reload_runs_the_new_model(
 def test_a_reload_that_outlives_its_timeout_still_takes_effect(backend: str, models: SimpleNamespace) -> None:
     """reload(timeout=) stops waiting, the swap goes on, and when it ends the engine takes the
     new model: its inputs at submit(), its version."""
-    if backend == DELEGATED:
-        return
     image = np.ones((1, 3, 16, 16), np.float32)
     with build(backend, models.mlp) as eng:
         v1 = eng.model_version
@@ -502,8 +349,6 @@ def test_a_reload_that_outlives_its_timeout_still_takes_effect(backend: str, mod
 
 
 def test_reload_after_close_is_refused(backend: str, models: SimpleNamespace, v2: Path) -> None:
-    if backend == DELEGATED:
-        return
     eng = build(backend, models.mlp)
     eng.close()
     with pytest.raises(E.EngineClosed):
@@ -517,8 +362,6 @@ def test_task_timeout_and_recycling_hold_on_both_backends(backend: str, models: 
     """The owner's timers and recycling are the same code on both backends (engine.core):
     a task past task_timeout fails alone with TaskTimeout and its slot is rebuilt; every
     incarnation serves max_tasks_per_worker tasks at most, then is replaced."""
-    if backend == DELEGATED:
-        return
     with build(backend, models.mlp, preprocess=HOOK, task_timeout=1.0, max_tasks_per_worker=3) as eng:
         hung = eng.submit({"x": rows(0), "gate": str(tmp_path / "never")})  # holds its slot for good
         with pytest.raises(E.TaskTimeout, match=r"task_timeout=1\.0"):
@@ -537,8 +380,6 @@ def test_batching_and_the_byte_bound_hold_on_both_backends(backend: str, models:
     on both backends: with both slots held, a second large input waiting is refused
     (admission="reject", queue_bytes), and small ones that wait run stacked, with each
     task's own outputs."""
-    if backend == DELEGATED:
-        return
     gate = tmp_path / "gate"
     big = np.zeros((6000, 16), np.float32)  # 384 KB
     with build(backend, models.mlp, preprocess=HOOK, max_batch_size=4, inflight_per_slot=1,
@@ -566,8 +407,6 @@ def test_a_stalled_slot_hands_on_what_it_was_sent_on_both_backends(
     """stall_after is the owner's watchdog on both backends: a slot whose running task makes
     no progress gets no more work, and what was sent ahead to it runs on the other slot
     (locally on copies of its inputs; on Ray the stalled call's answer is dropped)."""
-    if backend == DELEGATED:
-        return
     gate = tmp_path / "gate"
     with caplog.at_level("WARNING", logger="slabpool.engine"), \
             build(backend, models.mlp, preprocess=HOOK, stall_after=1.0, inflight_per_slot=2) as eng:
@@ -587,8 +426,6 @@ def test_a_stalled_slot_hands_on_what_it_was_sent_on_both_backends(
 
 
 def test_ray_data_adapter(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
-    if ray_only is None:
-        return
     import ray.data
 
     from slabpool.engine.ray.data import SlabpoolPredictor
@@ -629,8 +466,6 @@ def test_ray_data_reads_vector_columns_of_parquet(
 ) -> None:
     """A Parquet column of lists, fixed-size lists (what docs/cli.md describes for vector
     inputs) or Ray's tensor extension feeds input x [N, 16], in numpy and pandas batches."""
-    if ray_only is None:
-        return
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray.data
@@ -648,8 +483,6 @@ def test_ray_data_reads_vector_columns_of_parquet(
 
 
 def test_ray_data_takes_pandas_frames(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
-    if ray_only is None:
-        return
     import pandas as pd
     import ray.data
 
@@ -660,8 +493,6 @@ def test_ray_data_takes_pandas_frames(ray_only: SimpleNamespace | None, models: 
 
 def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None:
     """The adapter needs no Ray to be called: session, contract check and hooks, per batch."""
-    if INNER:
-        pytest.skip("runs in the outer pytest process")
     from slabpool.engine.ray.data import SlabpoolPredictor
 
     x = rows(3, n=5)
@@ -679,8 +510,6 @@ def test_ray_data_predictor_is_a_plain_callable(models: SimpleNamespace) -> None
 def test_ray_data_predictor_stacks_columns_of_vectors(models: SimpleNamespace, form: str) -> None:
     """Batches as Ray Data hands them over for list columns: an object array of arrays, a
     DataFrame (arrays or lists in the cells), a pyarrow Table: one [N, 16] input each."""
-    if INNER:
-        pytest.skip("runs in the outer pytest process")
     import pandas as pd
     import pyarrow as pa
 
@@ -709,8 +538,6 @@ def test_ray_data_predictor_stacks_columns_of_vectors(models: SimpleNamespace, f
     ([np.zeros(16, np.float32), ["a"] * 16], "row 1"),
 ])  # fmt: skip
 def test_ray_data_predictor_refuses_ragged_columns(models: SimpleNamespace, cells: list[Any], error: str) -> None:
-    if INNER:
-        pytest.skip("runs in the outer pytest process")
     from slabpool.engine.ray.data import SlabpoolPredictor
 
     column = np.empty(len(cells), object)
@@ -726,8 +553,6 @@ def test_ray_data_predictor_refuses_ragged_columns(models: SimpleNamespace, cell
 def test_a_setting_that_means_nothing_on_ray_is_refused_by_name(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, setting: dict[str, Any]
 ) -> None:
-    if ray_only is None:
-        return
     name = next(iter(setting))
     with pytest.raises(ValueError, match=f"{name}=.* does not apply to the Ray backend: "):
         RayEngine(models.mlp, **setting)
@@ -738,8 +563,6 @@ def test_a_slot_that_cannot_be_placed_stays_starting(
 ) -> None:
     """3 slots of 1 CPU on a 2-CPU cluster: the engine starts with the 2 that fit, says which
     resource the third lacks, and serves; the third stays STARTING (docs/ray.md)."""
-    if ray_only is None:
-        return
     with caplog.at_level("WARNING", logger="slabpool.engine.ray"), \
             RayEngine(models.mlp, workers=3, cpus_per_slot=1, startup_timeout=60) as eng:
         states = sorted(s.state for s in eng.stats().slots)
@@ -758,8 +581,6 @@ def test_the_ray_docs_run_as_written(
     """docs/ray.md's examples (marked skip for tests/test_docs.py, which has no Ray), each a
     script run as written in a folder with model.onnx (the demo) and mlp.onnx; `ray.init()`
     finds this cluster through RAY_ADDRESS, as it would find a laptop's `ray start --head`."""
-    if ray_only is None:
-        return
     from tests.test_docs import REPO as DOCS_REPO
     from tests.test_docs import blocks, run_block
 
@@ -783,8 +604,6 @@ def test_the_ray_docs_run_as_written(
 def test_node_loss_replays_on_the_surviving_node(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path
 ) -> None:
-    if ray_only is None:
-        return
     ray = ray_only.ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -1,13 +1,15 @@
-"""The confined Ray run of tests/test_ray.py, started in the background when the session starts.
+"""The confined Ray run, started in the background when the session starts.
 
-The Ray cases run in a subprocess (that same file, SLABPOOL_RAY_NETNS=1) inside private
+The Ray cases (`wanted`: test_x[ray] of any module, and the Ray-only ones; by node id) run in
+one subprocess pytest (SLABPOOL_RAY_NETNS=1, tests.ray_support.plugin) inside private
 namespaces: a network namespace with only `lo` up (Ray confined to loopback) and a mount
-namespace with its own tmpfs on /dev/shm. It is ~2 min of mostly waiting (ray.init, actors
+namespace with its own tmpfs on /dev/shm. It is minutes of mostly waiting (ray.init, actors
 starting), so it runs while the rest of the suite runs, not in front of it:
 
     session start: InnerRun.start()  ->  unshare -n -m: mount /dev/shm; ip link set lo up; pytest
     tests ...                            (the Ray cases, for real)
-    first test_x[ray]: results()     <-  waits for it, then: no process left in its namespace
+    the outer [ray] cases (last):    <-  wait for it, then: no process left in its namespace;
+      results()                          each takes its case's outcome (junit classname + name)
 
 The private /dev/shm keeps each run's leak check exact while both run: neither sees the other's
 `slabpool-*` names (or sweeps them). The outer leak check leaves this one process tree out
@@ -33,8 +35,8 @@ import psutil
 from tests.shards import why_not_confined
 
 REPO = Path(__file__).resolve().parents[2]
-TEST_FILE = REPO / "tests" / "test_ray.py"
-INNER_TIMEOUT_S = 540  # the whole confined run (~2 min on a quiet 2-core machine); only a hang reaches it
+INNER = os.environ.get("SLABPOOL_RAY_NETNS") == "1"  # this process is the confined run
+INNER_TIMEOUT_S = 540  # the whole confined run (~4 min on a quiet 2-core machine); only a hang reaches it
 # private namespaces, then the file's pytest: /dev/shm as large as the machine's (Ray's object store)
 SCRIPT = ('mount -t tmpfs -o "size=$SHM_SIZE" tmpfs /dev/shm && ip link set lo up && '
           'exec "$0" -m pytest "$@"')
@@ -50,22 +52,22 @@ def why_no_ray() -> str | None:
 
 
 class InnerRun:
-    """One confined run of tests/test_ray.py: started once, its outcome read once."""
+    """One confined run of the Ray cases `wanted` named: started once, its outcome read once."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, cases: list[str]) -> None:
         self.xml, self.log, self.netns = folder / "junit.xml", folder / "output.txt", folder / "netns"
         self.ray_tmp = tempfile.mkdtemp(prefix="slabray-", dir="/tmp")  # short: Ray's socket paths live here
         env = {**os.environ, "SLABPOOL_RAY_NETNS": "1", "SLABPOOL_RAY_NETNS_FILE": str(self.netns),
                "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.ray_tmp,
                "SHM_SIZE": str(shutil.disk_usage("/dev/shm").total),
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-        cmd = ["unshare", "-n", "-m", "sh", "-c", SCRIPT, sys.executable, str(TEST_FILE), "-q",
-               "-p", "no:cacheprovider", f"--basetemp={folder / 'tmp'}", f"--junitxml={self.xml}", "-o", "junit_family=xunit2"]
+        cmd = ["unshare", "-n", "-m", "sh", "-c", SCRIPT, sys.executable, "-q", "-p", "no:cacheprovider",
+               f"--basetemp={folder / 'tmp'}", f"--junitxml={self.xml}", "-o", "junit_family=xunit2", *cases]
         self.deadline = time.monotonic() + INNER_TIMEOUT_S
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        self._results: dict[str, tuple[str, str]] | None = None
+        self._results: dict[tuple[str, str], tuple[str, str]] | None = None
 
     def pids(self) -> set[int]:
         """This run's process tree, as the outer leak check must leave it out (while it runs)."""
@@ -77,13 +79,13 @@ class InnerRun:
         except psutil.Error:
             return {self.proc.pid}
 
-    def results(self) -> dict[str, tuple[str, str]]:
-        """test name -> (outcome, text), once the run has ended and left nothing behind."""
+    def results(self) -> dict[tuple[str, str], tuple[str, str]]:
+        """(junit classname, test name) -> (outcome, text), once the run has ended and left nothing behind."""
         if self._results is None:
             self._results = self._finish()
         return self._results
 
-    def _finish(self) -> dict[str, tuple[str, str]]:
+    def _finish(self) -> dict[tuple[str, str], tuple[str, str]]:
         try:
             self.proc.wait(max(0.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -107,15 +109,17 @@ class InnerRun:
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
-def wanted(items: list[object]) -> bool:
-    """Whether a selected case reports the confined run's outcome (test_x[ray], the Ray-only ones)."""
-    for item in items:
-        if getattr(item, "path", None) != TEST_FILE:
-            continue
-        callspec = getattr(item, "callspec", None)
-        if "ray_only" in getattr(item, "fixturenames", ()) or (callspec and callspec.params.get("backend") == "ray"):
-            return True
-    return False
+def is_ray_case(item: object) -> bool:
+    """A case the confined run runs: test_x[ray] (of the `backend` or `start_or_ray` fixture of
+    tests.ray_support.plugin), or one that takes `ray_only`."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec else {}
+    return "ray" in (params.get("backend"), params.get("start_or_ray")) or "ray_only" in getattr(item, "fixturenames", ())
+
+
+def wanted(items: list[object]) -> list[str]:
+    """The node ids of the selected cases that report the confined run's outcome: what it runs."""
+    return [str(getattr(item, "nodeid")) for item in items if is_ray_case(item)]
 
 
 def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
@@ -145,7 +149,7 @@ def _in_namespace(ns: str) -> list[tuple[int, str]]:
     return found
 
 
-def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
+def _parse_junit(xml: Path, tail: str) -> dict[tuple[str, str], tuple[str, str]]:
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         outcome, text = "passed", ""
@@ -155,6 +159,6 @@ def _parse_junit(xml: Path, tail: str) -> dict[str, tuple[str, str]]:
                 text = (child.get("message") or "") + "\n" + (child.text or "")
                 if outcome == "failed":
                     break
-        results[case.get("name", "")] = (outcome, text)
-    results["__output__"] = ("", tail)
+        results[(case.get("classname", ""), case.get("name", ""))] = (outcome, text)
+    results[("", "__output__")] = ("", tail)
     return results
