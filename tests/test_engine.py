@@ -12,6 +12,7 @@ import pytest
 from slabpool import Engine, Result
 from slabpool.workers.errors import EngineClosed, InputContractError, SessionInitError
 from tests import hooks
+from tests.ray_support.plugin import build
 from tests.reference import litert_run, ort_run
 
 rng = np.random.default_rng(0)
@@ -22,10 +23,10 @@ def _x(n: int = 4, d: int = 16) -> np.ndarray:
 
 
 @pytest.mark.parametrize("model,runner", [("mlp", ort_run), ("tfl_mlp", litert_run)])
-def test_outputs_byte_identical_to_one_thread_in_process(models, start_method, model, runner):
+def test_outputs_byte_identical_to_one_thread_in_process(models, start_or_ray, model, runner):
     path = getattr(models, model)
     inputs = [_x(n) for n in (1, 3, 7, 1, 16)]
-    with Engine(path, workers=2, start_method=start_method) as eng:
+    with build(start_or_ray, path, workers=2) as eng:
         results = [f.result(timeout=60) for f in [eng.submit({"x": x}) for x in inputs]]
     for x, res in zip(inputs, results):
         want = runner(path, {"x": x})
@@ -34,8 +35,8 @@ def test_outputs_byte_identical_to_one_thread_in_process(models, start_method, m
             assert res.outputs[name].tobytes() == want[name].tobytes(), name
 
 
-def test_result_is_a_frozen_record_of_who_computed_it(models):
-    with Engine(models.mlp, workers=2) as eng:
+def test_result_is_a_frozen_record_of_who_computed_it(models, backend):
+    with build(backend, models.mlp, workers=2) as eng:
         res = eng.submit({"x": _x()}).result(timeout=60)
         pids = {s.pid for s in eng.stats().slots}
     assert isinstance(res, Result)
@@ -46,10 +47,10 @@ def test_result_is_a_frozen_record_of_who_computed_it(models):
         res.task_id = 5  # type: ignore[misc]
 
 
-def test_outputs_are_caller_owned_and_inputs_may_be_reused_after_submit(models):
+def test_outputs_are_caller_owned_and_inputs_may_be_reused_after_submit(models, backend):
     x = _x()
     want = ort_run(models.mlp, {"x": x.copy()})
-    with Engine(models.mlp, workers=1) as eng:
+    with build(backend, models.mlp, workers=1) as eng:
         fut = eng.submit({"x": x})
         x[:] = 0  # the caller may mutate its array the moment submit() returns
         out = fut.result(timeout=60).outputs
@@ -65,10 +66,10 @@ def test_bare_array_for_a_single_input_model_and_infer(models):
     assert y["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
 
 
-def test_multi_input_mixed_dtypes(models):
+def test_multi_input_mixed_dtypes(models, backend):
     feats = rng.standard_normal((5, 4)).astype(np.float32)
     ids = np.arange(5, dtype=np.int64)
-    with Engine(models.multi_io, workers=1) as eng:
+    with build(backend, models.multi_io, workers=1) as eng:
         out = eng.infer({"feats": feats, "ids": ids})
         with pytest.raises(InputContractError, match="a dict"):
             eng.submit(feats)  # two inputs: a bare array is ambiguous
@@ -83,9 +84,9 @@ def test_integer_outputs(models):
 
 
 @pytest.mark.parametrize("chunk", [1, None])
-def test_map_is_ordered_and_bounded(models, chunk):
+def test_map_is_ordered_and_bounded(models, backend, chunk):
     xs = [_x(1) for _ in range(60)]
-    with Engine(models.mlp, workers=2) as eng:
+    with build(backend, models.mlp, workers=2) as eng:
         results = list(eng.map(({"x": x} for x in xs), chunk=chunk))
         accepted = eng.stats().accepted
     ids = [r.task_id for r in results]
@@ -110,8 +111,8 @@ def test_litert_describe_and_stats(models):
     assert all(s.applied == ("xnnpack",) and not s.degraded for s in st.slots)
 
 
-def test_stats_snapshot(models):
-    with Engine(models.mlp, workers=2) as eng:
+def test_stats_snapshot(models, backend):
+    with build(backend, models.mlp, workers=2) as eng:
         list(eng.map({"x": _x(1)} for _ in range(10)))
         st = eng.stats()
     assert st.state == "ACCEPTING" and len(st.slots) == 2
@@ -124,24 +125,25 @@ def test_stats_snapshot(models):
         st.accepted = 0  # type: ignore[misc]
 
 
-def test_preprocess_and_postprocess_run_in_the_worker(models):
+def test_preprocess_and_postprocess_run_in_the_worker(models, backend):
     x = _x(3)
-    with Engine(models.mlp, workers=1, preprocess=hooks.to_feeds, postprocess=hooks.argmax_post) as eng:
+    with build(backend, models.mlp, workers=1, preprocess=hooks.to_feeds, postprocess=hooks.argmax_post) as eng:
         out = eng.infer({"x": x, "note": "not an array: pickled"})
     want = ort_run(models.mlp, {"x": x})["probs"].argmax(axis=-1)
     assert np.array_equal(out["label"], want) and out["n"] == 3
 
 
-def test_a_pure_preprocessing_pool_without_model(start_method):
+def test_a_pure_preprocessing_pool_without_model(start_or_ray):
     x = np.arange(6.0).reshape(2, 3)
-    with Engine(None, workers=2, preprocess="tests.hooks:double", start_method=start_method) as eng:
+    with build(start_or_ray, None, workers=2, preprocess="tests.hooks:double") as eng:
         outs = [r.outputs for r in eng.map({"x": x + i} for i in range(5))]
         assert eng.describe().inputs == ()
     assert all(np.array_equal(o["y"], (x + i) * 2) for i, o in enumerate(outs))
 
 
-def test_worker_sees_read_only_input_views(models):
-    with Engine(None, workers=1, preprocess="tests.test_engine:_mutate") as eng:
+def test_worker_sees_read_only_input_views(models, backend):
+    """Shared memory locally; Ray's object store (read zero-copy) on Ray."""
+    with build(backend, None, workers=1, preprocess="tests.test_engine:_mutate") as eng:
         res = eng.submit({"x": np.ones(3)}).result(timeout=60)
     assert res.outputs == {"writeable": False}
 
@@ -169,13 +171,13 @@ def test_bad_settings_fail_at_construction(models, kwargs, error, match):
         Engine(models.mlp, **kwargs)
 
 
-def test_missing_and_corrupt_model(models, tmp_path):
+def test_missing_and_corrupt_model(models, tmp_path, backend):
     with pytest.raises(FileNotFoundError):
-        Engine(tmp_path / "nope.onnx")
+        build(backend, tmp_path / "nope.onnx")
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model at all")
     with pytest.raises(SessionInitError, match="could not build its session") as info:
-        Engine(bad, workers=2)
+        build(backend, bad, workers=2)
     assert "Traceback" in str(info.value.__cause__)
 
 
@@ -188,8 +190,8 @@ def test_close_is_idempotent_and_submit_after_close_raises(models):
         eng.submit(_x())
 
 
-def test_exception_in_with_block_still_cleans_up(models):
-    with pytest.raises(KeyError), Engine(models.mlp, workers=2) as eng:
+def test_exception_in_with_block_still_cleans_up(models, backend):
+    with pytest.raises(KeyError), build(backend, models.mlp, workers=2) as eng:
         eng.submit(_x())
         raise KeyError("boom")
     assert eng.state.name == "CLOSED"

@@ -36,6 +36,7 @@ class ActorReady:
     node_id: str
     info: SessionInfo | None
     error: RemoteError | None  # the session could not be built
+    rss: int = 0  # resident memory once the session is built (stats() before any call)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ActorBatch:
     errors: tuple[RemoteError | None, ...]
     run_s: float
     pid: int
-    rss: int = 0  # measured when worker_memory_limit is set
+    rss: int = 0  # resident memory after the call: stats(), the rss gauge, worker_memory_limit
 
 
 class SlotActor:
@@ -74,12 +75,12 @@ class SlotActor:
         initializer: Callable[..., Any] | None,
         initargs: tuple[Any, ...],
         task_timeout: float | None = None,
-        report_rss: bool = False,
     ) -> None:
         self.slot = slot
         self.session: ModelSession | None = None
         self.error: RemoteError | None = None
-        self.task_timeout, self.report_rss = task_timeout, report_rss
+        self.task_timeout = task_timeout
+        self.process = psutil.Process()  # its rss, read after each call (a few microseconds)
         try:  # every failure goes back as data (a raising constructor would be retried for ever)
             if initializer is not None:
                 initializer(*initargs)
@@ -90,7 +91,7 @@ class SlotActor:
 
     def ready(self) -> ActorReady:
         return ActorReady(os.getpid(), ray.get_runtime_context().get_node_id(),
-                          self.session.info if self.session else None, self.error)
+                          self.session.info if self.session else None, self.error, self.process.memory_info().rss)
 
     def run_batch(self, tasks: list[CallTask], stack: bool, *items: Any) -> ActorBatch:
         """Steps 5-7 for one batch (Ray resolved each ObjectRef argument: `items` are the inputs)."""
@@ -102,8 +103,8 @@ class SlotActor:
             if i not in done:
                 outs[i], errs[i] = self._one(t, functools.partial(
                     self.pipeline, item, timeout=self.task_timeout, fault=t.fault, step=t.step))
-        rss = psutil.Process().memory_info().rss if self.report_rss else 0
-        return ActorBatch(tuple(outs), tuple(errs), time.perf_counter() - t0, os.getpid(), rss)
+        return ActorBatch(tuple(outs), tuple(errs), time.perf_counter() - t0, os.getpid(),
+                          self.process.memory_info().rss)
 
     def _one(self, t: CallTask, thunk: Callable[[], Any]) -> tuple[Any, RemoteError | None]:
         """One task's stage(s) with its context bound and its seed drawn; an error is its own."""

@@ -116,7 +116,7 @@ class RayEngine(BaseEngine):
                                 self.config.queue_bytes)
         self._metrics = Metrics()
         try:
-            transport = RayTransport(self.config, cpus_per_slot, actor_options)
+            self._transport = transport = RayTransport(self.config, cpus_per_slot, actor_options)
             self._ledger = Coordinator(self.config, self._queue, self._metrics, transport, "slabpool-ray-owner")
             self._queue.set_wake(self._ledger.wake)
             self._owner = self._ledger
@@ -176,7 +176,7 @@ class RayEngine(BaseEngine):
     # -- looking inside -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        slots = tuple(_slot_stats(s) for s in self._ledger.slots)
+        slots = tuple(_slot_stats(s, s.rss or self._transport.ready_rss(s.index)) for s in self._ledger.slots)
         return EngineStats(self._state.name, slots, len(self._queue), **self._counts(),
                            restarts=sum(s.restarts for s in slots),
                            shm_inputs_used=0, shm_outputs_used=0, shm_capacity=0,
@@ -205,13 +205,14 @@ def _check_supported(cfg: EngineConfig, given: frozenset[str]) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)!r} does not apply to the Ray backend: {why}")
 
 
-def _slot_stats(s: SlotRecord) -> SlotStats:
+def _slot_stats(s: SlotRecord, rss: int) -> SlotStats:
+    """`rss`: what its actor reported after its last call, or when it was ready."""
     info = s.info
     return SlotStats(
         s.index, s.pid, s.state.name, s.tasks_done, s.restarts,
         info.runtime if info else "", info.runtime_version if info else "",
         info.requested if info else (), info.applied if info else (),
-        info.degraded if info else False, info.model_digest if info else "", s.rss,
+        info.degraded if info else False, info.model_digest if info else "", rss,
     )
 
 

@@ -61,6 +61,7 @@ class _Actor:
     spec: Any = None
     calls: deque[_Call] = field(default_factory=deque)
     pid: int = 0
+    rss: int = 0  # its resident memory when it said it was ready (stats() before any call)
     dead: BaseException | None = None  # a call failed with RayActorError (or we killed it)
     fresh: bool = False  # killed for good (no_restart) or broken: the next start makes a new actor
     ping_at: float | None = None  # Ray restarts it: ping then
@@ -104,6 +105,10 @@ class RayTransport:
         if short:
             log.warning("%s; slots beyond the first %d stay STARTING until Ray can place them (their tasks "
                         "wait for the other slots)", short, self.quorum)
+
+    def ready_rss(self, slot: int) -> int:
+        """The resident memory its actor reported when it was ready (0 until then)."""
+        return self._actors[slot].rss
 
     # -- the protocol ------------------------------------------------------------------------------
 
@@ -288,7 +293,7 @@ class RayTransport:
                 err.__cause__ = E.RemoteTraceback(msg.error.traceback)
                 self._events.append(Died(got.slot, msg.pid, None, IDLE, startup_error=err, reported=True))
                 return
-            a.pid = msg.pid
+            a.pid, a.rss = msg.pid, msg.rss
             self._events.append(Ready(got.slot, msg.pid, msg.info, msg.node_id))
             return
         if isinstance(exc, ActorDiedError) and "max_restarts" in str(exc):  # Ray gave up on it
@@ -308,8 +313,7 @@ class RayTransport:
         opts.update(extra or {})
         cfg = self.cfg
         return self._remote.options(**opts).remote(
-            index, spec, cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs, cfg.task_timeout,
-            cfg.worker_memory_limit is not None)
+            index, spec, cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs, cfg.task_timeout)
 
     @staticmethod
     def _kill_actor(handle: Any, restart: bool = False) -> None:
