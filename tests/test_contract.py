@@ -27,6 +27,7 @@ from slabpool.workers.errors import (
     TaskCancelled,
     TaskTimeout,
 )
+from tests.ray_support.plugin import build
 
 X = np.ones((1, 16), np.float32)
 
@@ -54,10 +55,10 @@ class Gate:
         return [int(x) for x in self.log.read_text().split()] if self.log.exists() else []
 
 
-def gated_engine(models, **kw) -> Engine:
+def gated_engine(models, backend="local", **kw) -> Engine:
     kw.setdefault("workers", 1)
     kw.setdefault("inflight_per_slot", 1)
-    return Engine(models.mlp, preprocess="tests.hooks:gated", **kw)
+    return build(backend, models.mlp, preprocess="tests.hooks:gated", **kw)
 
 
 def balanced(eng: Engine) -> None:
@@ -69,9 +70,9 @@ def balanced(eng: Engine) -> None:
 
 
 @pytest.mark.parametrize("policy", ["reject", "block", "drop_oldest"])
-def test_queue_full_under_each_policy(models, tmp_path, policy):
+def test_queue_full_under_each_policy(models, tmp_path, backend, policy):
     gate = Gate(tmp_path)
-    with gated_engine(models, queue_capacity=2, admission=policy) as eng:
+    with gated_engine(models, backend, queue_capacity=2, admission=policy) as eng:
         running = eng.submit(gate.item(0))
         wait_until(running.running)
         queued = [eng.submit(gate.item(i)) for i in (1, 2)]
@@ -96,7 +97,7 @@ def test_queue_full_under_each_policy(models, tmp_path, policy):
     assert gate.ran() == ([0, 2, 3] if policy == "drop_oldest" else [0, 1, 2])
 
 
-def test_map_keeps_a_bounded_number_in_flight(models):
+def test_map_keeps_a_bounded_number_in_flight(models, backend):
     produced = 0
 
     def items():
@@ -105,7 +106,7 @@ def test_map_keeps_a_bounded_number_in_flight(models):
             produced += 1
             yield X
 
-    with Engine(models.mlp, workers=2, queue_capacity=4) as eng:
+    with build(backend, models.mlp, workers=2, queue_capacity=4) as eng:
         it = eng.map(items(), window=8)
         for _ in range(50):
             next(it)
@@ -152,9 +153,9 @@ def test_cancel_a_running_task_two_receipts(models, tmp_path):
     assert after.attempts == 1 and gate.ran() == [0, 1]
 
 
-def test_cancel_with_kill_rebuilds_the_slot_and_replays_its_other_tasks(models, tmp_path):
+def test_cancel_with_kill_rebuilds_the_slot_and_replays_its_other_tasks(models, tmp_path, backend):
     gate = Gate(tmp_path)
-    with gated_engine(models, inflight_per_slot=2) as eng:
+    with gated_engine(models, backend, inflight_per_slot=2) as eng:
         pid = eng.stats().slots[0].pid
         hung = eng.submit(gate.item(0, seconds=3600))
         held = eng.submit(gate.item(1))  # sent ahead to the same slot
@@ -172,9 +173,9 @@ def test_cancel_with_kill_rebuilds_the_slot_and_replays_its_other_tasks(models, 
 # -- deadlines and waiting ---------------------------------------------------------------------
 
 
-def test_deadline_expiry_while_queued(models, tmp_path):
+def test_deadline_expiry_while_queued(models, tmp_path, backend):
     gate = Gate(tmp_path)
-    with gated_engine(models) as eng:
+    with gated_engine(models, backend) as eng:
         running = eng.submit(gate.item(0))
         wait_until(running.running)
         late = eng.submit(gate.item(1), deadline=0.05)
@@ -193,9 +194,9 @@ def test_deadline_expiry_while_queued(models, tmp_path):
 
 
 @pytest.mark.parametrize("cancel_pending", [False, True])
-def test_close_with_work_in_every_state(models, tmp_path, cancel_pending):
+def test_close_with_work_in_every_state(models, tmp_path, backend, cancel_pending):
     gate = Gate(tmp_path)
-    eng = gated_engine(models)
+    eng = gated_engine(models, backend)
     running = eng.submit(gate.item(0))
     wait_until(running.running)
     queued = [eng.submit(gate.item(i)) for i in (1, 2)]
@@ -217,8 +218,8 @@ def test_close_with_work_in_every_state(models, tmp_path, cancel_pending):
     assert gate.ran() == ([0] if cancel_pending else [0, 1, 2])
 
 
-def test_close_twice_and_from_a_done_callback(models):
-    eng = Engine(models.mlp, workers=1)
+def test_close_twice_and_from_a_done_callback(models, backend):
+    eng = build(backend, models.mlp, workers=1)
     fut = eng.submit(X)
     fut.add_done_callback(lambda f: eng.close())
     fut.result(timeout=30)
@@ -229,9 +230,9 @@ def test_close_twice_and_from_a_done_callback(models):
         eng.submit(X)
 
 
-def test_close_timeout_cancels_what_would_not_finish(models, tmp_path):
+def test_close_timeout_cancels_what_would_not_finish(models, tmp_path, backend):
     gate = Gate(tmp_path)
-    eng = gated_engine(models)
+    eng = gated_engine(models, backend)
     stuck = eng.submit(gate.item(0))
     wait_until(stuck.running)
     eng.close(timeout=0.2)
@@ -265,26 +266,26 @@ def test_bad_input_is_refused_at_submit_and_nothing_is_accepted(models, case, in
         assert eng.infer(X)["probs"].shape == (1, 8)  # and the engine is fine
 
 
-def test_static_batch_model_and_litert_contract(models):
-    with Engine(models.static, workers=1) as eng:
+def test_static_batch_model_and_litert_contract(models, backend):
+    with build(backend, models.static, workers=1) as eng:
         with pytest.raises(InputContractError, match="axis 0 must be 2"):
             eng.submit(np.ones((3, 16), np.float32))
         assert eng.infer(np.ones((2, 16), np.float32))["y"].shape == (2, 16)
-    with Engine(models.tfl_mlp, workers=1) as eng:
+    with build(backend, models.tfl_mlp, workers=1) as eng:
         with pytest.raises(InputContractError, match="<f4"):
             eng.submit(np.ones((1, 16), np.float64))
 
 
-def test_input_checked_after_preprocess_in_the_worker(models):
-    with Engine(models.mlp, workers=1, preprocess="tests.hooks:double") as eng:
+def test_input_checked_after_preprocess_in_the_worker(models, backend):
+    with build(backend, models.mlp, workers=1, preprocess="tests.hooks:double") as eng:
         with pytest.raises(InputContractError, match="input names"):
             eng.submit({"x": X}).result(timeout=30)  # double() returns {"y": ...}
         balanced(eng)
 
 
 @pytest.mark.parametrize("model", ["mlp", "tfl_mlp"])
-def test_empty_batch_is_supported(models, model):
-    with Engine(getattr(models, model), workers=1) as eng:
+def test_empty_batch_is_supported(models, backend, model):
+    with build(backend, getattr(models, model), workers=1) as eng:
         out = eng.infer(np.zeros((0, 16), np.float32))
     assert out[next(iter(out))].shape == (0, 8)
 
@@ -344,8 +345,8 @@ def test_a_64mb_dev_shm_fails_at_construction_not_with_sigbus_later(models, tmp_
 # -- context -----------------------------------------------------------------------------------
 
 
-def test_context_is_bound_per_task_and_cleared_on_every_exit_path(models):
-    with Engine(None, workers=1, preprocess="tests.hooks:read_context") as eng:
+def test_context_is_bound_per_task_and_cleared_on_every_exit_path(models, backend):
+    with build(backend, None, workers=1, preprocess="tests.hooks:read_context") as eng:
         a = eng.submit({"x": X}, context={"tenant": "a", "request_id": "r1"})
         failing = eng.submit({"x": X, "raise": True}, context={"tenant": "evil"})
         b = eng.submit({"x": X})
@@ -357,11 +358,11 @@ def test_context_is_bound_per_task_and_cleared_on_every_exit_path(models):
         balanced(eng)
 
 
-def test_queued_input_bytes_are_bounded_too(models, tmp_path):
+def test_queued_input_bytes_are_bounded_too(models, tmp_path, backend):
     """queue_bytes bounds the inputs waiting in the queue; a single large task always fits."""
     gate = Gate(tmp_path)
     mib = np.zeros(1 << 17)  # 1 MiB of float64 riding along with each item
-    with gated_engine(models, queue_capacity=100, admission="reject", queue_bytes=3 << 20) as eng:
+    with gated_engine(models, backend, queue_capacity=100, admission="reject", queue_bytes=3 << 20) as eng:
         running = eng.submit(gate.item(0, pad=mib))
         wait_until(running.running)
         queued = [eng.submit(gate.item(i, pad=mib)) for i in (1, 2)]
