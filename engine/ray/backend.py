@@ -58,7 +58,7 @@ from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
 from slabpool.engine.ray.transport import RayTransport
 from slabpool.workers import packing
-from slabpool.workers.protocol import SessionInfo
+from slabpool.workers.protocol import SessionInfo, seal
 
 log = logging.getLogger("slabpool.engine.ray")
 
@@ -135,6 +135,8 @@ class RayEngine(BaseEngine):
         bytes count against queue_bytes, as locally)."""
         block_timeout = request.block_timeout
         item, shape_key, items = admitted
+        if request.context is not None:  # the local engine's contract, before accepting: a context that
+            seal(request.context, "the context")  # does not pickle is refused (Ray's cloudpickle would take it)
         nbytes = sum(a.nbytes for a in packing.split(item)[1])
         for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
                                        nbytes):

@@ -36,6 +36,7 @@ from slabpool.engine.core.transport import Died, Done, Event, InHand, Outcome, R
 from slabpool.engine.ray.actor import ActorBatch, ActorReady, CallTask, SlotActor
 from slabpool.engine.ray.placement import placeable, resources, slot_request
 from slabpool.workers import errors as E
+from slabpool.workers import packing
 from slabpool.workers.pipeline import IDLE, STACKED
 from slabpool.workers.session import SessionSpec
 
@@ -332,13 +333,15 @@ def _failed(task: Task, exc: BaseException) -> E.SessionRunError:
 
 
 def _owned(obj: Any) -> Any:
-    """Outputs read from the object store are read-only views: give the caller its own copies."""
+    """Outputs read from the object store are read-only views: give the caller its own copies,
+    in containers of the classes they came in (an OrderedDict, a namedtuple, ... as locally:
+    workers.packing.like)."""
     if isinstance(obj, np.ndarray):
         return obj if obj.flags.writeable and obj.flags.owndata else obj.copy()
-    if isinstance(obj, dict):
+    if type(obj) is dict:
         return {k: _owned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_owned(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_owned(v) for v in obj)
+    if type(obj) is list or type(obj) is tuple:
+        return type(obj)(_owned(v) for v in obj)
+    if isinstance(obj, (dict, list, tuple)):
+        return packing.like(obj, [_owned(v) for v in (obj.values() if isinstance(obj, dict) else obj)])
     return obj
