@@ -33,6 +33,7 @@ from slabpool.workers.errors import (
     TaskTimeout,
 )
 from tests.fault_hooks import Unpicklable
+from tests.ray_support.plugin import build
 
 MiB = 1 << 20
 PRE = "tests.fault_hooks:pre"
@@ -56,8 +57,8 @@ def _still_serving(eng: Engine) -> None:
 # -- 1. the supervisor never dies of one task's data ---------------------------------------------
 
 
-def test_an_unpicklable_context_fails_at_submit_and_the_engine_keeps_serving():
-    with Engine(None, workers=2, preprocess=PRE) as eng:
+def test_an_unpicklable_context_fails_at_submit_and_the_engine_keeps_serving(backend):
+    with build(backend, None, workers=2, preprocess=PRE) as eng:
         before = _good(eng, 20)
         with pytest.raises(TypeError, match=r"context cannot be pickled.*lock"):
             eng.submit({"x": np.ones(3)}, context={"cb": threading.Lock()})
@@ -68,8 +69,8 @@ def test_an_unpicklable_context_fails_at_submit_and_the_engine_keeps_serving():
         assert eng.stats().failed == 0
 
 
-def test_an_unpicklable_input_with_a_preprocess_fails_at_submit():
-    with Engine(None, workers=1, preprocess=PRE) as eng:
+def test_an_unpicklable_input_with_a_preprocess_fails_at_submit(backend):
+    with build(backend, None, workers=1, preprocess=PRE) as eng:
         before = _good(eng, 10)
         with pytest.raises(TaskDataError, match="inputs cannot be pickled"):
             eng.submit({"x": np.ones(3), "lock": threading.Lock()})
@@ -79,8 +80,8 @@ def test_an_unpicklable_input_with_a_preprocess_fails_at_submit():
         _still_serving(eng)
 
 
-def test_an_input_that_does_not_unpickle_in_the_worker_fails_its_own_future():
-    with Engine(None, workers=1, preprocess=PRE) as eng:
+def test_an_input_that_does_not_unpickle_in_the_worker_fails_its_own_future(backend):
+    with build(backend, None, workers=1, preprocess=PRE) as eng:
         futs = _good(eng, 10)
         bad = eng.submit({"x": np.ones(3), "obj": Unpicklable()})
         futs += _good(eng, 10, 10)
@@ -92,13 +93,13 @@ def test_an_input_that_does_not_unpickle_in_the_worker_fails_its_own_future():
 
 
 @pytest.mark.parametrize("fault,match", [("twoarg", "cannot be unpickled"), ("lock", "cannot be pickled")])
-def test_a_result_that_does_not_cross_fails_its_own_future(models, fault, match):
+def test_a_result_that_does_not_cross_fails_its_own_future(models, backend, fault, match):
     """A postprocess result that pickles in the worker but not unpickles in the caller (an
     exception class whose __init__ takes two arguments), or does not pickle at all: that task
     fails with the real TypeError, not 'died with exit(1)'; no worker dies."""
     x = np.ones((2, 16), np.float32)
-    with Engine(models.mlp, workers=2, preprocess="tests.fault_hooks:to_feeds",
-                postprocess="tests.fault_hooks:post") as eng:
+    with build(backend, models.mlp, workers=2, preprocess="tests.fault_hooks:to_feeds",
+               postprocess="tests.fault_hooks:post") as eng:
         futs = [eng.submit({"x": x}) for _ in range(20)]
         bad = eng.submit({"x": x, "post": fault})
         futs += [eng.submit({"x": x}) for _ in range(20)]
@@ -124,10 +125,10 @@ def test_a_chunk_item_whose_result_does_not_cross_fails_alone(fault, error):
             np.testing.assert_array_equal(r.outputs["y"], np.full(3, 2.0 * i))
 
 
-def test_a_result_too_deep_to_walk_fails_alone_among_grouped_tasks():
+def test_a_result_too_deep_to_walk_fails_alone_among_grouped_tasks(backend):
     """Tiny tasks go to a worker in groups: one result nested past the recursion limit fails
     its own task (RecursionError named), not its group."""
-    with Engine(None, workers=1, preprocess=PRE) as eng:
+    with build(backend, None, workers=1, preprocess=PRE) as eng:
         _check_good(_good(eng, 200))  # measured: tiny tasks go in groups from here
         futs = _good(eng, 20)
         deep = eng.submit({"x": np.ones(3), "fault": "deep"})
@@ -244,11 +245,11 @@ def test_inputs_that_can_never_fit_fail_at_submit():
 # -- 3. map(return_exceptions=True) ----------------------------------------------------------------
 
 
-def test_map_yields_an_input_refused_at_the_door_at_its_position(models):
+def test_map_yields_an_input_refused_at_the_door_at_its_position(models, backend):
     rows = [{"x": np.full((1, 16), i, np.float32)} for i in range(1000)]
     rows[1] = {"x": np.ones((1, 15), np.float32)}  # the wrong width: refused at submit()
     rows[700] = {"x": np.ones((1, 17), np.float32)}
-    with Engine(models.mlp, workers=2) as eng:
+    with build(backend, models.mlp, workers=2) as eng:
         out = list(eng.map(rows, return_exceptions=True))
         assert len(out) == 1000
         assert isinstance(out[1], InputContractError) and isinstance(out[700], InputContractError)

@@ -21,10 +21,10 @@ import psutil
 import ray
 
 from slabpool.workers import context as task_context
-from slabpool.workers import faults
+from slabpool.workers import faults, packing
 from slabpool.workers.errors import ErrorKind
 from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, run_stacked, seed_task
-from slabpool.workers.protocol import FaultSpec, RemoteError, SessionInfo
+from slabpool.workers.protocol import FaultSpec, FlatSkeleton, RemoteError, SessionInfo, seal, unseal
 from slabpool.workers.session import ModelSession, SessionSpec, load_session
 
 log = logging.getLogger("slabpool.engine.ray")
@@ -111,7 +111,7 @@ class SlotActor:
         with task_context.bind(t.context):
             try:
                 seed_task(t.seed)  # before preprocess, as in the local worker
-                return thunk(), None
+                return _crossing(thunk()), None
             except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
                 log.info("task %d failed in %s: %s", t.task_id, self.pipeline.stage, type(exc).__name__)
                 return None, remote_error(exc, error_kind(exc))
@@ -139,6 +139,18 @@ class SlotActor:
         for i, part in zip(ok, parts, strict=True):
             outs[i], errs[i] = self._one(tasks[i], functools.partial(self.pipeline.finish, part, items[i]))
         return set(range(len(tasks)))
+
+
+def _crossing(out: Any) -> Any:
+    """A task's result, once it is known to cross to the caller: what is not an array is
+    pickled and unpickled here (a flat dict of arrays has nothing else), so that a result that
+    does not cross fails its own task (TaskDataError, as from a local worker) rather than the
+    whole call's answer; a result nested past the recursion limit fails with RecursionError."""
+    skeleton, _ = packing.split(out)
+    if type(skeleton) is not FlatSkeleton:
+        what = "the result (what postprocess, or preprocess without a model, returned)"
+        unseal(seal(skeleton, what), what)
+    return out
 
 
 def _prepared(pipeline: TaskPipeline, item: Any, fault: FaultSpec | None) -> Any:

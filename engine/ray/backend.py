@@ -57,6 +57,7 @@ from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
 from slabpool.engine.ray.transport import RayTransport
+from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.protocol import SessionInfo, seal
 
@@ -145,8 +146,10 @@ class RayEngine(BaseEngine):
             t0 = time.perf_counter()
             ref = ray.put(item)  # step 2: arrays go out of band; the caller may reuse its arrays
             put_s = time.perf_counter() - t0
-        except BaseException:
+        except BaseException as exc:
             self._queue.unreserve(nbytes)
+            if isinstance(exc, TypeError):  # Ray's serializer: what does not pickle, as locally
+                raise E.TaskDataError(f"the inputs cannot be pickled to cross to another process: {_first_line(exc)}") from exc
             raise
         fut = TaskFuture(self._weak)
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
@@ -198,6 +201,14 @@ class RayEngine(BaseEngine):
         busy = sum(s.state is SlotState.BUSY for s in slots)
         return (f"<RayEngine {self._state.name} slots={len(slots)} ready={ready} busy={busy} "
                 f"queued={len(self._queue)}>")
+
+
+def _first_line(exc: BaseException) -> str:
+    """Ray's serialization error runs to a page, the inputs' repr in it: its cause (pickle's own
+    error) says what failed."""
+    cause = exc.__cause__ or exc.__context__ or exc
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _check_supported(cfg: EngineConfig, given: frozenset[str]) -> None:
