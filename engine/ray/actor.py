@@ -22,7 +22,7 @@ import ray
 
 from slabpool.workers import context as task_context
 from slabpool.workers import faults, packing
-from slabpool.workers.errors import ErrorKind
+from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, run_stacked, seed_task
 from slabpool.workers.protocol import FaultSpec, FlatSkeleton, RemoteError, SessionInfo, seal, unseal
 from slabpool.workers.session import ModelSession, SessionSpec, load_session
@@ -93,14 +93,16 @@ class SlotActor:
         return ActorReady(os.getpid(), ray.get_runtime_context().get_node_id(),
                           self.session.info if self.session else None, self.error, self.process.memory_info().rss)
 
-    def run_batch(self, tasks: list[CallTask], stack: bool, *items: Any) -> ActorBatch:
-        """Steps 5-7 for one batch (Ray resolved each ObjectRef argument: `items` are the inputs)."""
+    def run_batch(self, tasks: list[CallTask], stack: bool, refs: list[Any]) -> ActorBatch:
+        """Steps 5-7 for one batch. `refs`: each task's inputs, an ObjectRef read here (not
+        resolved by Ray as arguments), so that inputs that do not unpickle fail their own task."""
         t0 = time.perf_counter()
+        items, errs = _fetch(refs)
         outs: list[Any] = [None] * len(tasks)
-        errs: list[RemoteError | None] = [None] * len(tasks)
-        done = self._stacked(tasks, items, outs, errs) if stack and len(tasks) > 1 else set()
+        whole = not any(errs)
+        done = self._stacked(tasks, tuple(items), outs, errs) if stack and whole and len(tasks) > 1 else set()
         for i, (t, item) in enumerate(zip(tasks, items, strict=True)):
-            if i not in done:
+            if i not in done and errs[i] is None:
                 outs[i], errs[i] = self._one(t, functools.partial(
                     self.pipeline, item, timeout=self.task_timeout, fault=t.fault, step=t.step))
         return ActorBatch(tuple(outs), tuple(errs), time.perf_counter() - t0, os.getpid(),
@@ -139,6 +141,32 @@ class SlotActor:
         for i, part in zip(ok, parts, strict=True):
             outs[i], errs[i] = self._one(tasks[i], functools.partial(self.pipeline.finish, part, items[i]))
         return set(range(len(tasks)))
+
+
+def _fetch(refs: list[Any]) -> tuple[list[Any], list[RemoteError | None]]:
+    """The tasks' inputs from the object store (zero-copy, read-only views), and for each one
+    that does not unpickle here its TaskDataError. A lost object fails the call (the owner
+    replays its tasks)."""
+    try:
+        return list(ray.get(refs)), [None] * len(refs)
+    except ray.exceptions.ObjectLostError:
+        raise
+    except Exception:  # noqa: BLE001 - find which: one by one
+        pass
+    items: list[Any] = []
+    errs: list[RemoteError | None] = []
+    for ref in refs:
+        try:
+            items.append(ray.get(ref))
+            errs.append(None)
+        except ray.exceptions.ObjectLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the caller's object: its task's error
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            err = TaskDataError(f"the inputs: pickled, but cannot be unpickled in this process: {why}")
+            items.append(None)
+            errs.append(remote_error(err, ErrorKind.DATA))
+    return items, errs
 
 
 def _crossing(out: Any) -> Any:

@@ -127,7 +127,7 @@ class RayTransport:
         fi = self.cfg.fault_injection
         tasks = [CallTask(t.id, t.attempts, t.seed, t.context, t.fault if fi else None, t.step) for t in batch.tasks]
         try:
-            ref = a.handle.run_batch.remote(tasks, batch.stack, *(t.inputs for t in batch.tasks))
+            ref = a.handle.run_batch.remote(tasks, batch.stack, [t.inputs for t in batch.tasks])  # (read there)
         except Exception as exc:
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
         call = _Call(batch, ref, time.monotonic() if not a.calls else None)
