@@ -30,6 +30,7 @@ still run in the normal suite.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -57,6 +58,8 @@ from slabpool.workers.errors import (
 )
 from slabpool.workers.protocol import FaultSpec
 from tests.fault_hooks import Unpicklable
+from tests.ray_support.inner import INNER
+from tests.ray_support.plugin import RAY, build
 
 MiB = 1 << 20
 PRE = "tests.fault_hooks:pre"
@@ -309,6 +312,23 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("caller", "kills"): Cell(caller_kills, failed=0),
     ("caller", "hangs"): Cell(caller_hangs, failed=0),
 }
+# On Ray: the cells where an actor or the Ray transport takes part. Why the others do not run there:
+ONE_CODE = "the caller's side (the door, the queue, a done-callback: BaseEngine, TaskQueue), one code on both backends"
+HELD_BY_SIGSTOP = ("holds a local worker with SIGSTOP to fill its pipe or the queue behind it (on Ray a slot is held "
+                   "from inside its task: test_contract, test_ray)")
+NOT_ON_RAY = {
+    ("submit", "raises"): ONE_CODE, ("caller", "raises"): ONE_CODE, ("queue", "too big"): ONE_CODE,
+    ("submit", "hangs"): HELD_BY_SIGSTOP, ("queue", "raises"): HELD_BY_SIGSTOP, ("queue", "hangs"): HELD_BY_SIGSTOP,
+    ("dispatch", "kills"): HELD_BY_SIGSTOP, ("dispatch", "hangs"): HELD_BY_SIGSTOP,
+    ("submit", "too big"): "the input arena's size (shm_capacity): an actor's inputs go through Ray's object store",
+    ("dispatch", "too big"): "outputs split to fit the output arena (shm_capacity): the local transport's",
+    ("worker", "too big"): "outputs larger than the output arena (shm_capacity): the local transport's",
+    ("result transfer", "too big"): "group outputs split to fit the output arena: the local transport's",
+    ("result transfer", "kills"): "write_outputs is a local worker's stage (into the output arena)",
+    ("result transfer", "hangs"): "write_outputs is a local worker's stage (into the output arena)",
+    ("worker", "kills"): "PoisonTask names the signal that killed the worker; Ray does not say how an actor died "
+                         "(the poison itself runs on Ray in test_crash and test_ray)",
+}
 SLOW = {("dispatch", "kills"), ("dispatch", "hangs"), ("worker", "kills"), ("worker", "hangs"),
         ("result transfer", "kills"), ("result transfer", "hangs"), ("caller", "kills")}
 
@@ -319,21 +339,27 @@ def _fds() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def _warm_multiprocessing():
-    """The forkserver and the resource tracker start once per process, with their own fds."""
+    """The forkserver and the resource tracker start once per process, with their own fds
+    (not in the confined Ray run, whose namespace must be empty at its end)."""
+    if INNER:
+        return
     with Engine(None, workers=1, preprocess=PRE) as eng:
         eng.infer(item(0))
 
 
 @pytest.mark.parametrize("stage,fault", [
     pytest.param(*key, marks=[pytest.mark.slow] if key in SLOW else [], id=f"{key[0]}-{key[1]}") for key in CELLS])
-def test_only_the_offending_task_fails(models, tmp_path, caplog, stage, fault):
+def test_only_the_offending_task_fails(models, tmp_path, caplog, backend, stage, fault):
+    if backend == RAY and (stage, fault) in NOT_ON_RAY:
+        pytest.skip(NOT_ON_RAY[(stage, fault)])
     cell = CELLS[(stage, fault)]
     settings = {"workers": 2, "preprocess": None if cell.model else PRE, **cell.settings}
     if settings["preprocess"] is None:
         del settings["preprocess"]
     fds = _fds()
     model = getattr(models, cell.model) if cell.model else None
-    engine = faults.build(Engine, model, **settings) if cell.faults else Engine(model, **settings)
+    with faults.injecting() if cell.faults else contextlib.nullcontext():
+        engine = build(backend, model, **settings)
     with caplog.at_level(logging.ERROR, logger="slabpool.engine"), engine as eng:
         r = Run(eng, tmp_path)
         if model is None:
@@ -351,4 +377,4 @@ def test_only_the_offending_task_fails(models, tmp_path, caplog, stage, fault):
             assert eng.stats().failed == cell.failed
     assert not [r for r in caplog.records if "supervisor failed" in r.getMessage()]
     assert eng.state is EngineState.CLOSED
-    assert _fds() <= fds, "file descriptors left behind"
+    assert backend == RAY or _fds() <= fds, "file descriptors left behind"  # (Ray's client opens its own)

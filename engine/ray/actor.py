@@ -24,7 +24,7 @@ from slabpool.workers import context as task_context
 from slabpool.workers import faults, packing
 from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.pipeline import TaskPipeline, error_kind, remote_error, run_stacked, seed_task
-from slabpool.workers.protocol import FaultSpec, FlatSkeleton, RemoteError, SessionInfo, seal, unseal
+from slabpool.workers.protocol import FaultSpec, FlatSkeleton, RemoteError, Sealed, SessionInfo, seal, unseal
 from slabpool.workers.session import ModelSession, SessionSpec, load_session
 
 log = logging.getLogger("slabpool.engine.ray")
@@ -46,7 +46,7 @@ class CallTask:
     task_id: int
     attempt: int
     seed: int
-    context: dict[str, Any] | None
+    context: Sealed | None  # pickled at submit: what the caller's dict held then
     fault: FaultSpec | None
     step: int = 0
 
@@ -110,7 +110,11 @@ class SlotActor:
 
     def _one(self, t: CallTask, thunk: Callable[[], Any]) -> tuple[Any, RemoteError | None]:
         """One task's stage(s) with its context bound and its seed drawn; an error is its own."""
-        with task_context.bind(t.context):
+        try:
+            ctx = None if t.context is None else unseal(t.context, "the context")
+        except TaskDataError as exc:
+            return None, remote_error(exc, ErrorKind.DATA)
+        with task_context.bind(ctx):
             try:
                 seed_task(t.seed)  # before preprocess, as in the local worker
                 return _crossing(thunk()), None

@@ -56,7 +56,7 @@ from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
-from slabpool.engine.ray.transport import RayTransport
+from slabpool.engine.ray.transport import RayTransport, Staged
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.protocol import SessionInfo, seal
@@ -136,8 +136,9 @@ class RayEngine(BaseEngine):
         bytes count against queue_bytes, as locally)."""
         block_timeout = request.block_timeout
         item, shape_key, items = admitted
-        if request.context is not None:  # the local engine's contract, before accepting: a context that
-            seal(request.context, "the context")  # does not pickle is refused (Ray's cloudpickle would take it)
+        # the context is pickled now, as locally: one that does not pickle is refused before it is
+        # accepted (Ray's cloudpickle would take a lambda), and the task sees what it held at submit
+        context = None if request.context is None else seal(request.context, "the context")
         nbytes = sum(a.nbytes for a in packing.split(item)[1])
         for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
                                        nbytes):
@@ -155,7 +156,7 @@ class RayEngine(BaseEngine):
         abs_deadline = None if request.deadline is None else time.monotonic() + request.deadline
 
         def make(task_id: int) -> Task:
-            return Task(task_id, fut, ref, shape_key, items, request.context, self._seed(task_id),
+            return Task(task_id, fut, Staged(ref, context), shape_key, items, request.context, self._seed(task_id),
                         abs_deadline, request.fault, copy_in_s=put_s, nbytes=nbytes, units=request.units,
                         step=request.step)
 

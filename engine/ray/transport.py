@@ -38,6 +38,7 @@ from slabpool.engine.ray.placement import placeable, resources, slot_request
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.pipeline import IDLE, STACKED
+from slabpool.workers.protocol import Sealed
 from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine.ray")
@@ -67,6 +68,16 @@ class _Actor:
     fresh: bool = False  # killed for good (no_restart) or broken: the next start makes a new actor
     ping_at: float | None = None  # Ray restarts it: ping then
     backoff: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A task's inputs as step 2 left them (`Task.inputs` on Ray): the ObjectRef of its item,
+    and its context pickled at submit (a dict the caller changes afterwards is not what the
+    task sees, as locally)."""
+
+    ref: Any
+    context: Sealed | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,9 +136,11 @@ class RayTransport:
     def send(self, slot: int, batch: Batch) -> None:
         a = self._actors[slot]
         fi = self.cfg.fault_injection
-        tasks = [CallTask(t.id, t.attempts, t.seed, t.context, t.fault if fi else None, t.step) for t in batch.tasks]
+        staged: list[Staged] = [t.inputs for t in batch.tasks]
+        tasks = [CallTask(t.id, t.attempts, t.seed, s.context, t.fault if fi else None, t.step)
+                 for t, s in zip(batch.tasks, staged, strict=True)]
         try:
-            ref = a.handle.run_batch.remote(tasks, batch.stack, [t.inputs for t in batch.tasks])  # (read there)
+            ref = a.handle.run_batch.remote(tasks, batch.stack, [s.ref for s in staged])  # (read there)
         except Exception as exc:
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
         call = _Call(batch, ref, time.monotonic() if not a.calls else None)
