@@ -21,6 +21,7 @@ from slabpool import Engine
 from slabpool.engine.caller import aio
 from slabpool.workers.errors import QueueFull, SessionRunError, TaskCancelled
 from tests.models import onnx_models
+from tests.ray_support.plugin import build
 
 DEADLOCK_S = 60.0
 
@@ -45,10 +46,10 @@ def probs(x: np.ndarray) -> np.ndarray:
     return onnx_models.mlp_reference(x)["probs"]
 
 
-def gated_engine(models: Any, **kw: Any) -> Engine:
+def gated_engine(models: Any, backend: str, **kw: Any) -> Engine:
     """One slot holding one task at a time: a second task stays queued while the first runs."""
     settings = {"workers": 1, "inflight_per_slot": 1, "preprocess": "tests.async_hooks:gated"}
-    return Engine(models.mlp, **(settings | kw))
+    return build(backend, models.mlp, **(settings | kw))  # type: ignore[no-any-return]
 
 
 def item(gate: Path, tag: str, *, wait: bool = False) -> dict[str, Any]:
@@ -62,9 +63,9 @@ def started(gate: Path, tag: str) -> bool:
 # -- results --------------------------------------------------------------------------------------
 
 
-def test_infer_submit_and_async_with(models: Any) -> None:
+def test_infer_submit_and_async_with(models: Any, backend: str) -> None:
     async def main() -> Engine:
-        async with Engine(models.mlp, workers=2) as eng:
+        async with build(backend, models.mlp, workers=2) as eng:
             x = rows(3)
             out = await eng.infer_async({"x": x})
             np.testing.assert_allclose(out["probs"], probs(x), rtol=1e-5, atol=1e-6)
@@ -78,7 +79,7 @@ def test_infer_submit_and_async_with(models: Any) -> None:
     assert eng.state.name == "CLOSED"
 
 
-def test_map_async_order_and_bounded_window(models: Any) -> None:
+def test_map_async_order_and_bounded_window(models: Any, backend: str) -> None:
     window, n = 3, 24
     pulled = 0
 
@@ -89,7 +90,7 @@ def test_map_async_order_and_bounded_window(models: Any) -> None:
             yield {"x": rows(1, seed=i)}
 
     async def main() -> None:
-        async with Engine(models.mlp, workers=2) as eng:
+        async with build(backend, models.mlp, workers=2) as eng:
             got = 0
             async for res in eng.map_async(source(), window=window):
                 # accepted and not yet handed to the consumer: never more than the window
@@ -103,11 +104,11 @@ def test_map_async_order_and_bounded_window(models: Any) -> None:
     run(main())
 
 
-def test_map_async_plain_iterable_return_exceptions(models: Any) -> None:
+def test_map_async_plain_iterable_return_exceptions(models: Any, backend: str) -> None:
     items = [{"x": rows(1, seed=i), "fail": i % 4 == 1} for i in range(8)]
 
     async def main() -> list[Any]:
-        async with Engine(models.mlp, workers=2, preprocess="tests.async_hooks:log_and_feed") as eng:
+        async with build(backend, models.mlp, workers=2, preprocess="tests.async_hooks:log_and_feed") as eng:
             return [r async for r in eng.map_async(items, return_exceptions=True)]
 
     out = run(main())
@@ -115,9 +116,9 @@ def test_map_async_plain_iterable_return_exceptions(models: Any) -> None:
     assert [r.task_id for r in out] == list(range(8))
 
 
-def test_map_async_stops_early_and_cancels_the_rest(models: Any, tmp_path: Path) -> None:
+def test_map_async_stops_early_and_cancels_the_rest(models: Any, backend: str, tmp_path: Path) -> None:
     async def main() -> None:
-        async with gated_engine(models) as eng:
+        async with gated_engine(models, backend) as eng:
             feed = [item(tmp_path, "0")] + [item(tmp_path, str(i), wait=True) for i in range(1, 4)]
             async for res in eng.map_async(feed, window=4):
                 assert res.task_id == 0
@@ -134,9 +135,9 @@ def test_map_async_stops_early_and_cancels_the_rest(models: Any, tmp_path: Path)
 # -- cancellation receipts --------------------------------------------------------------------------
 
 
-def test_cancel_queued_never_runs(models: Any, tmp_path: Path) -> None:
+def test_cancel_queued_never_runs(models: Any, backend: str, tmp_path: Path) -> None:
     async def main() -> None:
-        async with gated_engine(models) as eng:
+        async with gated_engine(models, backend) as eng:
             a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
             await until(lambda: started(tmp_path, "a"), "a holds the slot")
 
@@ -163,9 +164,9 @@ def test_cancel_queued_never_runs(models: Any, tmp_path: Path) -> None:
     run(main())
 
 
-def test_cancel_running_is_never_delivered(models: Any, tmp_path: Path) -> None:
+def test_cancel_running_is_never_delivered(models: Any, backend: str, tmp_path: Path) -> None:
     async def main() -> None:
-        async with gated_engine(models) as eng:
+        async with gated_engine(models, backend) as eng:
             a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
             await until(lambda: started(tmp_path, "a"), "a running")
             a.cancel()
@@ -188,7 +189,7 @@ def test_cancel_running_is_never_delivered(models: Any, tmp_path: Path) -> None:
     run(main())
 
 
-def test_close_on_error_cancels_queued_waiters_without_blocking_the_loop(models: Any, tmp_path: Path) -> None:
+def test_close_on_error_cancels_queued_waiters_without_blocking_the_loop(models: Any, backend: str, tmp_path: Path) -> None:
     """`async with` closes on a thread: while close() waits for the running task, the loop
     still runs (here: the coroutine that opens the gate once the queued task is cancelled)."""
 
@@ -197,7 +198,7 @@ def test_close_on_error_cancels_queued_waiters_without_blocking_the_loop(models:
         (tmp_path / "open").touch()
 
     async def main() -> None:
-        eng = gated_engine(models)
+        eng = gated_engine(models, backend)
         with pytest.raises(RuntimeError, match="boom"):
             async with eng:
                 a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
@@ -247,9 +248,9 @@ def test_the_loop_never_waits_on_a_full_queue_while_200_run(models: Any) -> None
     run(main())
 
 
-def test_full_queue_with_reject_raises_queue_full(models: Any, tmp_path: Path) -> None:
+def test_full_queue_with_reject_raises_queue_full(models: Any, backend: str, tmp_path: Path) -> None:
     async def main() -> None:
-        async with gated_engine(models, admission="reject", queue_capacity=1) as eng:
+        async with gated_engine(models, backend, admission="reject", queue_capacity=1) as eng:
             a = asyncio.create_task(eng.infer_async(item(tmp_path, "a", wait=True)))
             await until(lambda: started(tmp_path, "a"), "a running")
             b = asyncio.create_task(eng.infer_async(item(tmp_path, "b")))
