@@ -16,6 +16,7 @@ import pytest
 from slabpool import Engine
 from slabpool.engine.core.metrics import register
 from slabpool.workers.errors import SessionRunError, TaskCancelled
+from tests.ray_support.plugin import build
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -79,8 +80,8 @@ def check_exposition(text: str) -> None:
 # -- metrics -------------------------------------------------------------------------------------
 
 
-def test_metrics_text_parses_back_and_matches_stats(models: Any) -> None:
-    with Engine(models.mlp, workers=2, preprocess="tests.async_hooks:log_and_feed") as eng:
+def test_metrics_text_parses_back_and_matches_stats(models: Any, backend: str) -> None:
+    with build(backend, models.mlp, workers=2, preprocess="tests.async_hooks:log_and_feed") as eng:
         for _ in range(10):
             eng.infer({"x": rows(2)})
         for _ in range(2):
@@ -115,9 +116,9 @@ def test_metrics_text_parses_back_and_matches_stats(models: Any) -> None:
         assert value(fams, f"{name}_sum") > 0
 
 
-def test_register_exposes_the_same_through_a_registry(models: Any) -> None:
+def test_register_exposes_the_same_through_a_registry(models: Any, backend: str) -> None:
     registry = prometheus_client.CollectorRegistry()
-    with Engine(models.mlp, workers=1) as eng:
+    with build(backend, models.mlp, workers=1) as eng:
         collector = register(eng, registry, labels={"engine": "mlp"})
         for _ in range(3):
             eng.infer({"x": rows(1)})
@@ -126,7 +127,8 @@ def test_register_exposes_the_same_through_a_registry(models: Any) -> None:
         assert got("slabpool_worker_restarts_total", {"engine": "mlp", "slot": "0"}) == 0
         assert got("slabpool_end_to_end_seconds_count", {"engine": "mlp"}) == 3
         assert got("slabpool_end_to_end_seconds_bucket", {"engine": "mlp", "le": "+Inf"}) == 3
-        assert got("slabpool_shm_capacity_bytes", {"engine": "mlp", "arena": "inputs"}) == eng.config.shm_capacity
+        arena = eng.config.shm_capacity if backend == "local" else 0  # Ray has no arenas (its object store)
+        assert got("slabpool_shm_capacity_bytes", {"engine": "mlp", "arena": "inputs"}) == arena
         exposed = parsed(prometheus_client.generate_latest(registry).decode())
         ours = parsed(eng.metrics_text())
         assert set(exposed) == set(ours)
@@ -144,9 +146,9 @@ def test_register_exposes_the_same_through_a_registry(models: Any) -> None:
         assert registry.get_sample_value("slabpool_tasks_completed_total", {"engine": "mlp"}) is None
 
 
-def test_several_labelled_engines_share_one_registry(models: Any) -> None:
+def test_several_labelled_engines_share_one_registry(models: Any, backend: str) -> None:
     registry = prometheus_client.CollectorRegistry()
-    with Engine(models.mlp, workers=1) as a, Engine(models.tfl_mlp, workers=1) as b:
+    with build(backend, models.mlp, workers=1) as a, build(backend, models.tfl_mlp, workers=1) as b:
         ca = register(a, registry, labels={"engine": "a"})
         cb = register(b, registry, labels={"engine": "b"})
         a.infer({"x": rows(1)})
@@ -170,8 +172,8 @@ def test_several_labelled_engines_share_one_registry(models: Any) -> None:
         assert not list(registry.collect())
 
 
-def test_histograms_count_only_completed_tasks(models: Any, tmp_path: Path) -> None:
-    with Engine(models.mlp, workers=1, inflight_per_slot=1, preprocess="tests.async_hooks:gated") as eng:
+def test_histograms_count_only_completed_tasks(models: Any, tmp_path: Path, backend: str) -> None:
+    with build(backend, models.mlp, workers=1, inflight_per_slot=1, preprocess="tests.async_hooks:gated") as eng:
         fut = eng.submit({"x": rows(1), "dir": str(tmp_path), "tag": "a", "wait": True})
         until(lambda: (tmp_path / "started-a").exists(), "a running")
         assert eng.cancel(fut)
