@@ -28,6 +28,7 @@ from slabpool.workers.protocol import FaultSpec
 from slabpool.workers.session import SessionSpec, model_digest
 from slabpool.workers.weights import ModelChanged, pin
 from tests.models import onnx_models, tflite_models
+from tests.ray_support.plugin import RAY, build
 from tests.reference import litert_run, ort_run
 
 
@@ -91,11 +92,15 @@ DEPLOYS = [
 
 
 @pytest.mark.parametrize("deploy", DEPLOYS, ids=[d.name for d in DEPLOYS])
-def test_a_slot_rebuilt_after_a_crash_serves_the_pinned_model(deploy: Deploy, tmp_path: Path) -> None:
+def test_a_slot_rebuilt_after_a_crash_serves_the_pinned_model(deploy: Deploy, tmp_path: Path, backend: str) -> None:
+    """Ray restarts a killed actor with its constructor's arguments: the same pinned spec."""
+    if backend == RAY and deploy.name in ("input shapes", "litert"):
+        pytest.skip("the pin is the session's (workers.session), the same in an actor: Ray runs the weights and "
+                    "external-data deploys (the confined run's time)")
     path, new_file = deploy.build(tmp_path)
     old_ref = deploy.run(path, {"x": deploy.x_old})
     once = str(tmp_path / "killed")
-    with faults.build(Engine, path, workers=1, cache_dir=tmp_path / "cache") as eng:
+    with faults.injecting(), build(backend, path, workers=1, cache_dir=tmp_path / "cache") as eng:
         version, described = eng.model_version, eng.describe()
         deploy.apply(new_file, path)
         assert model_digest(str(path)) != version  # the file on disk is another model now
@@ -119,7 +124,7 @@ def test_a_slot_rebuilt_after_a_crash_serves_the_pinned_model(deploy: Deploy, tm
             assert res.outputs[name].tobytes() == want.tobytes(), name
 
 
-def test_map_after_a_deploy_and_a_crash_is_one_model(tmp_path: Path) -> None:
+def test_map_after_a_deploy_and_a_crash_is_one_model(tmp_path: Path, backend: str) -> None:
     """Two workers, one of them killed mid-map() after the deploy: every item of the map()
     comes from the old model (issue 19 saw 2,122 items from the new model and 1,878 from the old)."""
     path, new_file = _mlps(tmp_path, seed=1)
@@ -127,7 +132,7 @@ def test_map_after_a_deploy_and_a_crash_is_one_model(tmp_path: Path) -> None:
     ref = ort_run(path, {"x": rows})["probs"]
     once = str(tmp_path / "killed")
     items = [{"x": rows[i:i + 1], **({"kill_once": once} if i == 20 else {})} for i in range(len(rows))]
-    with Engine(path, workers=2, preprocess="tests.hooks:kill_marked", cache_dir=tmp_path / "cache") as eng:
+    with build(backend, path, workers=2, preprocess="tests.hooks:kill_marked", cache_dir=tmp_path / "cache") as eng:
         version, first = eng.model_version, {s.pid for s in eng.stats().slots}
         renamed_over(new_file, path)
         outs = list(eng.map(items, chunk=1))
