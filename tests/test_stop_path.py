@@ -22,6 +22,7 @@ from slabpool.workers.errors import SessionInitError
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
 from tests.owner_hooks import DEADLOCK_S
+from tests.ray_support.plugin import build
 from tests.test_cancel_replay import wait_until
 
 X = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
@@ -56,8 +57,9 @@ def _crash_then_hold(models, tmp_path, start_method, **kw):
     """An engine whose worker 2 (the first rebuilt) never finishes its initializer: worker 1
     is killed by its task, worker 2 waits on hold-2 (the hook's own deadline is long past
     startup_timeout)."""
-    eng = faults.build(Engine, models.mlp, workers=1, start_method=start_method,
-                       initializer="tests.owner_hooks:hold_rebuilt", initargs=(str(tmp_path),), **kw)
+    with faults.injecting():  # `start_method`: a start method, or "ray"
+        eng = build(start_method, models.mlp, workers=1, initializer="tests.owner_hooks:hold_rebuilt",
+                    initargs=(str(tmp_path),), **kw)
     (tmp_path / "hold-2").touch()
     killer = faults.submit(eng, X, FaultSpec("run", "sigkill", str(tmp_path / "fired")))
     wait_until((tmp_path / "started-2").exists, "worker 2 in its initializer")
@@ -92,10 +94,11 @@ def test_a_slot_that_never_starts_fails_the_engine_clearly(models, tmp_path):
 
 
 @pytest.mark.parametrize("timeout", [0.5, 3.0])
-def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_path, timeout):
-    """A slot held in STARTING with tasks waiting for it: close(timeout=) returns, every
-    Future has ended (cancelled), and nothing is left (the conftest checks)."""
-    eng, killer = _crash_then_hold(models, tmp_path, "forkserver")
+def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_path, backend, timeout):
+    """A slot held in STARTING with tasks waiting for it (on Ray, an actor Ray restarted, in
+    its constructor): close(timeout=) returns, every Future has ended (cancelled), and nothing
+    is left (the conftest checks)."""
+    eng, killer = _crash_then_hold(models, tmp_path, "forkserver" if backend == "local" else backend)
     waiting = [eng.submit(X) for _ in range(3)]
     done = threading.Event()
     closer = threading.Thread(target=lambda: (eng.close(timeout=timeout), done.set()), daemon=True)
@@ -104,7 +107,7 @@ def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_p
     for f in [killer, *waiting]:
         with pytest.raises(CancelledError):
             f.result(timeout=DEADLOCK_S)
-    eng._sup.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
+    eng._owner.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
 
 
 OOM_SCRIPT = '''
