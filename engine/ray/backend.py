@@ -227,6 +227,7 @@ def _slot_stats(s: SlotRecord, rss: int) -> SlotStats:
         info.runtime if info else "", info.runtime_version if info else "",
         info.requested if info else (), info.applied if info else (),
         info.degraded if info else False, info.model_digest if info else "", rss,
+        weights=info.weights if info else "",  # (pss and shared pages: an actor may be on another node)
     )
 
 
