@@ -102,6 +102,9 @@ class Case:
         wait_until(lambda: self.eng.stats().queued == 0, "the batch sent ahead")
         (tmp / "gate-g").unlink()
         wait_until((tmp / "started-2").exists, "worker 1 dead, worker 2 held")
+        # Ray restarts the actor itself (started-2) before the owner has settled the death: until
+        # then it may still send to the slot (locally the owner starts worker 2: no wait here)
+        wait_until(lambda: self.eng.stats().slots[0].state == "STARTING", "the owner saw the death")
 
     def cancel_victim(self) -> None:
         assert self.victim is not None
@@ -177,7 +180,10 @@ def test_cancelled_replays_are_never_sent_again(models, tmp_path, backend, kind)
     once). A cancelled task's inputs are freed then, so it must never reach a worker: it did,
     and the answer of a task the supervisor no longer held failed every task with
     EngineInternalError."""
-    with build(models, tmp_path, kind, "forkserver" if backend == "local" else backend) as eng:
+    if backend == RAY:
+        pytest.skip("its shared-memory half (a freed lease reused at once) is the local transport's; the cancel "
+                    "in the replay queue runs on Ray in the table's replay cells")
+    with build(models, tmp_path, kind, "forkserver") as eng:
         case = Case(eng, tmp_path, "replay", kind)
         case.run_up_to_the_death()
         batch = case.others[1:]  # K and seven mates; the victim of the case too

@@ -27,7 +27,7 @@ from slabpool.workers.errors import (
     TaskCancelled,
     TaskTimeout,
 )
-from tests.ray_support.plugin import build
+from tests.ray_support.plugin import RAY, build
 
 X = np.ones((1, 16), np.float32)
 
@@ -154,6 +154,8 @@ def test_cancel_a_running_task_two_receipts(models, tmp_path):
 
 
 def test_cancel_with_kill_rebuilds_the_slot_and_replays_its_other_tasks(models, tmp_path, backend):
+    if backend == RAY:
+        pytest.skip("on Ray: tests/test_ray.py's test_cancel_running_task_with_kill (the same owner path)")
     gate = Gate(tmp_path)
     with gated_engine(models, backend, inflight_per_slot=2) as eng:
         pid = eng.stats().slots[0].pid
@@ -267,6 +269,9 @@ def test_bad_input_is_refused_at_submit_and_nothing_is_accepted(models, case, in
 
 
 def test_static_batch_model_and_litert_contract(models, backend):
+    if backend == RAY:
+        pytest.skip("the contract at the door is BaseEngine._admit's, one code before either backend's step 2 "
+                    "(on Ray: test_ray's test_input_contract_errors_at_submit)")
     with build(backend, models.static, workers=1) as eng:
         with pytest.raises(InputContractError, match="axis 0 must be 2"):
             eng.submit(np.ones((3, 16), np.float32))
@@ -285,6 +290,8 @@ def test_input_checked_after_preprocess_in_the_worker(models, backend):
 
 @pytest.mark.parametrize("model", ["mlp", "tfl_mlp"])
 def test_empty_batch_is_supported(models, backend, model):
+    if backend == RAY and model != "mlp":
+        pytest.skip("Ray runs the empty batch on ONNX Runtime; LiteRT's is the local run's (the confined run's time)")
     with build(backend, getattr(models, model), workers=1) as eng:
         out = eng.infer(np.zeros((0, 16), np.float32))
     assert out[next(iter(out))].shape == (0, 8)

@@ -12,7 +12,7 @@ import pytest
 from slabpool import Engine, Result
 from slabpool.workers.errors import EngineClosed, InputContractError, SessionInitError
 from tests import hooks
-from tests.ray_support.plugin import build
+from tests.ray_support.plugin import RAY, build
 from tests.reference import litert_run, ort_run
 
 rng = np.random.default_rng(0)
@@ -24,6 +24,8 @@ def _x(n: int = 4, d: int = 16) -> np.ndarray:
 
 @pytest.mark.parametrize("model,runner", [("mlp", ort_run), ("tfl_mlp", litert_run)])
 def test_outputs_byte_identical_to_one_thread_in_process(models, start_or_ray, model, runner):
+    if start_or_ray == RAY and model != "mlp":
+        pytest.skip("LiteRT in an actor: test_weights' tfl_mlp case (byte-identical too)")
     path = getattr(models, model)
     inputs = [_x(n) for n in (1, 3, 7, 1, 16)]
     with build(start_or_ray, path, workers=2) as eng:
@@ -85,6 +87,8 @@ def test_integer_outputs(models):
 
 @pytest.mark.parametrize("chunk", [1, None])
 def test_map_is_ordered_and_bounded(models, backend, chunk):
+    if backend == RAY and chunk is None:
+        pytest.skip("chunk=None is one task per item on Ray: the chunk=1 case is Ray's")
     xs = [_x(1) for _ in range(60)]
     with build(backend, models.mlp, workers=2) as eng:
         results = list(eng.map(({"x": x} for x in xs), chunk=chunk))
@@ -191,6 +195,8 @@ def test_close_is_idempotent_and_submit_after_close_raises(models):
 
 
 def test_exception_in_with_block_still_cleans_up(models, backend):
+    if backend == RAY:
+        pytest.skip("`with` is BaseEngine's __exit__ -> close(), one code; on Ray close() runs in every case")
     with pytest.raises(KeyError), build(backend, models.mlp, workers=2) as eng:
         eng.submit(_x())
         raise KeyError("boom")

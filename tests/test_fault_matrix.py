@@ -314,6 +314,8 @@ CELLS: dict[tuple[str, str], Cell] = {
 }
 # On Ray: the cells where an actor or the Ray transport takes part. Why the others do not run there:
 ONE_CODE = "the caller's side (the door, the queue, a done-callback: BaseEngine, TaskQueue), one code on both backends"
+PIPELINE = ("a hook that raises fails its task in workers.pipeline, the same code in an actor (on Ray: "
+            "test_contract's context case, test_first_contact's refusal after preprocess)")
 HELD_BY_SIGSTOP = ("holds a local worker with SIGSTOP to fill its pipe or the queue behind it (on Ray a slot is held "
                    "from inside its task: test_contract, test_ray)")
 NOT_ON_RAY = {
@@ -326,6 +328,9 @@ NOT_ON_RAY = {
     ("result transfer", "too big"): "group outputs split to fit the output arena: the local transport's",
     ("result transfer", "kills"): "write_outputs is a local worker's stage (into the output arena)",
     ("result transfer", "hangs"): "write_outputs is a local worker's stage (into the output arena)",
+    ("worker", "raises"): PIPELINE, ("result transfer", "raises"): PIPELINE,
+    ("caller", "hangs"): ONE_CODE + " (map() abandoned: engine.caller.mapping; on Ray in test_contract)",
+    ("submit", "unpicklable"): ONE_CODE + " (the context sealed at submit; on Ray in test_faults)",
     ("worker", "kills"): "PoisonTask names the signal that killed the worker; Ray does not say how an actor died "
                          "(the poison itself runs on Ray in test_crash and test_ray)",
 }
