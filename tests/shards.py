@@ -10,7 +10,9 @@ suite's wall time down without changing a test. Each run keeps its leak checks e
              /dev/shm and a loopback of its own   weight cache (B_PATTERNS)
 
 Neither sees the other's `slabpool-*` names or sockets, and neither is the other's child. The
-confined Ray run (tests/ray_support/inner.py) starts from shard a, where test_ray.py runs.
+confined Ray run (tests/ray_support/inner.py) of each shard's [ray] cases starts with that
+shard: shard a's holds most of them (test_ray.py and the behaviour modules), shard b's only
+test_weights.py's (nested: its own namespaces inside shard b's).
 Without `unshare` and root, the suite runs as one pytest. Extra arguments go to both shards
 (`python -m tests.shards -m "not slow"`); `pytest` alone still runs everything in one process.
 """

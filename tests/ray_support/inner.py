@@ -13,7 +13,10 @@ starting), so it runs while the rest of the suite runs, not in front of it:
 
 The private /dev/shm keeps each run's leak check exact while both run: neither sees the other's
 `slabpool-*` names (or sweeps them). The outer leak check leaves this one process tree out
-(`pids()`); everything it leaves behind is checked here, by its network namespace.
+(`pids()`); everything it leaves behind is checked here, by its network namespace. That
+namespace is held open (an fd of it) from the run's start to its check: nsfs inode numbers are
+reused once a namespace is gone, and a later `unshare -n` (another run's, a test's) got the
+same one, whose processes were then taken for this run's leftovers (and killed).
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ class InnerRun:
     """One confined run of the Ray cases `wanted` named: started once, its outcome read once."""
 
     def __init__(self, folder: Path, cases: list[str]) -> None:
-        self.xml, self.log, self.netns = folder / "junit.xml", folder / "output.txt", folder / "netns"
+        self.xml, self.log = folder / "junit.xml", folder / "output.txt"
         self.ray_tmp = tempfile.mkdtemp(prefix="slabray-", dir="/tmp")  # short: Ray's socket paths live here
-        env = {**os.environ, "SLABPOOL_RAY_NETNS": "1", "SLABPOOL_RAY_NETNS_FILE": str(self.netns),
+        env = {**os.environ, "SLABPOOL_RAY_NETNS": "1",
                "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.ray_tmp,
                "SHM_SIZE": str(shutil.disk_usage("/dev/shm").total),
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
@@ -67,6 +70,7 @@ class InnerRun:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        self.netns = _pin_namespace(self.proc)
         self._results: dict[tuple[str, str], tuple[str, str]] | None = None
 
     def pids(self) -> set[int]:
@@ -92,6 +96,7 @@ class InnerRun:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         left = _left_in_namespace(self.netns)
+        self.netns = None
         shutil.rmtree(self.ray_tmp, ignore_errors=True)  # Ray's session logs and its current-cluster file
         tail = self.log.read_text(errors="replace")[-6000:]
         assert not left, f"processes left in the Ray tests' network namespace: {left}\n{tail}"
@@ -106,6 +111,7 @@ class InnerRun:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         _left_in_namespace(self.netns)
+        self.netns = None
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
@@ -122,20 +128,41 @@ def wanted(items: list[object]) -> list[str]:
     return [str(getattr(item, "nodeid")) for item in items if is_ray_case(item)]
 
 
-def _left_in_namespace(netns_file: Path) -> list[tuple[int, str]]:
-    """Every process still in the inner run's network namespace once those that see the inner
-    pytest gone have had time to exit (multiprocessing's resource tracker reads EOF, then
-    cleans up): SIGKILLed and listed."""
-    if not netns_file.exists():
+def _pin_namespace(proc: subprocess.Popen[bytes]) -> int | None:
+    """An fd of the run's network namespace, once `unshare` has made it (a few ms after the
+    exec): it keeps the namespace, and so its inode number, from being reused until the check.
+    None if the run ended first (it then has no namespace of its own to check)."""
+    ours = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + 30  # only a hang reaches it
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            fd = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if os.readlink(f"/proc/self/fd/{fd}") != ours:
+            return fd
+        os.close(fd)
+        time.sleep(0.001)
+    return None
+
+
+def _left_in_namespace(netns: int | None) -> list[tuple[int, str]]:
+    """Every process still in the inner run's network namespace (`netns`, its pinned fd,
+    closed here) once those that see the inner pytest gone have had time to exit
+    (multiprocessing's resource tracker reads EOF, then cleans up): SIGKILLed and listed."""
+    if netns is None:
         return []
-    ns = netns_file.read_text().strip()
-    deadline = time.monotonic() + 15  # only a leak reaches it
-    while (left := _in_namespace(ns)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid, _ in left:
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
-    return left
+    try:
+        ns = os.readlink(f"/proc/self/fd/{netns}")
+        deadline = time.monotonic() + 15  # only a leak reaches it
+        while (left := _in_namespace(ns)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid, _ in left:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        return left
+    finally:
+        os.close(netns)
 
 
 def _in_namespace(ns: str) -> list[tuple[int, str]]:

@@ -17,7 +17,6 @@ and takes that case's outcome as its own. Fixtures that build an engine for a mo
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -87,8 +86,6 @@ def ray_cluster() -> Iterator[SimpleNamespace]:
 
     from tests.conftest import our_children
 
-    if path := os.environ.get("SLABPOOL_RAY_NETNS_FILE"):
-        Path(path).write_text(os.readlink("/proc/self/ns/net"))
     # address="local": never join a cluster some other run left recorded in RAY_TMPDIR
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
