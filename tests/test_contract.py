@@ -237,10 +237,10 @@ def test_close_timeout_cancels_what_would_not_finish(models, tmp_path, backend):
     eng = gated_engine(models, backend)
     stuck = eng.submit(gate.item(0))
     wait_until(stuck.running)
-    eng.close(timeout=0.2)
-    assert eng.state.name == "CLOSED"
+    eng.close(timeout=0.2)  # returns within its timeout: the workers' stop may go on after it
     with pytest.raises(TaskCancelled):
-        stuck.result(timeout=0)
+        stuck.result(timeout=30)  # (cancelled by close's abort; the deadline only catches a hang)
+    wait_until(lambda: eng.state.name == "CLOSED")  # once the owner has stopped every worker
     balanced(eng)
 
 

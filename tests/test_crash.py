@@ -25,6 +25,7 @@ from slabpool import Engine
 from slabpool.engine.caller import faults
 from slabpool.workers.errors import PoisonTask, SessionInitError, TaskTimeout, WorkerCrashed
 from slabpool.workers.protocol import FaultSpec
+from tests.models import onnx_models
 from tests.ray_support.plugin import RAY, build
 from tests.reference import ort_run
 
@@ -140,14 +141,16 @@ def test_hung_task_in_python_kills_its_slot_and_others_replay(models, backend):
     assert st.timeouts == 1 and st.failed == 1 and st.completed == 1
 
 
-def test_long_onnx_run_is_stopped_cleanly_without_killing_the_worker(models, backend):
+def test_long_onnx_run_is_stopped_cleanly_without_killing_the_worker(tmp_path, backend):
     """ONNX Runtime's RunOptions.terminate stops the run; the slot survives.
 
-    ORT sees the flag between nodes (~80 ms each here, 16 of them): the limit (0.3 s) leaves it
-    until the supervisor's kill at twice the limit, with room for a loaded machine; at 0.05 s
-    the two had raced."""
+    ORT sees the flag between nodes (20-80 ms each here, 64 of them: a run of 1.3-5 s): the
+    limit (1 s) leaves it a second until the supervisor's kill at twice the limit, a dozen
+    nodes' worth on a loaded machine (at a 0.3 s limit, 16 nodes, a loaded run's kill came
+    first once; at 0.05 s the two had raced)."""
+    model = onnx_models.slow(tmp_path / "slower.onnx", k=64, dim=512)
     big = np.random.default_rng(0).standard_normal((8192, 512)).astype(np.float32)
-    with build(backend, models.slow, workers=1, task_timeout=0.3) as eng:
+    with build(backend, model, workers=1, task_timeout=1.0) as eng:
         pid = eng.stats().slots[0].pid
         with pytest.raises(TaskTimeout, match="terminated"):
             eng.submit({"x": big}).result(timeout=60)
