@@ -86,3 +86,26 @@ def test_read_to_end_does_not_block_on_a_live_quiet_writer(pipe) -> None:  # typ
     writer.send_bytes(b"one")
     assert reader.read_to_end() == [b"one"]
     assert reader.read_to_end() == []  # nothing there, writer still open: returns at once
+
+
+def test_a_worker_whose_supervisor_closed_its_pipe_is_told_so_and_logs_nothing(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The supervisor stopping a worker now closes its end first: the worker's next send is
+    SupervisorGone (its loop and main() then return quietly, as at EOF on a read), not a
+    BrokenPipeError whose traceback lands on the worker's stderr (seen under `slabpool run`'s
+    'stopping now'); a log record sent then is dropped, not a 'Logging error' on stderr."""
+    import logging
+
+    from slabpool.workers.protocol import Ready
+    from slabpool.workers.worklog import Outbox, PipeHandler, SupervisorGone
+
+    ours, supervisors = multiprocessing.Pipe(duplex=True)
+    supervisors.close()
+    outbox = Outbox(ours)
+    try:
+        with pytest.raises(SupervisorGone, match="closed its end"):
+            outbox.send(Ready(os.getpid(), None))
+        record = logging.LogRecord("slabpool.test", logging.WARNING, __file__, 1, "nobody reads this", None, None)
+        PipeHandler(outbox, 0).handle(record)
+        assert capsys.readouterr().err == ""
+    finally:
+        ours.close()

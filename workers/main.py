@@ -71,7 +71,7 @@ from slabpool.workers.protocol import (
 )
 from slabpool.workers.session import ModelSession, RunTimeout, SessionSpec, load_session
 from slabpool.workers.wire import FrameReader
-from slabpool.workers.worklog import Outbox, install_pipe_logging, task_fields
+from slabpool.workers.worklog import Outbox, SupervisorGone, install_pipe_logging, task_fields
 
 log = logging.getLogger("slabpool.workers")
 
@@ -120,6 +120,13 @@ class SealedBoot:
 
 def main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     """Process entry point (a module-level function: spawn and forkserver import it)."""
+    try:
+        _main(sealed, conn, in_fd, out_fd)
+    except SupervisorGone:
+        return  # the supervisor stopped reading (it is stopping this worker): exit quietly
+
+
+def _main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(os.fdopen(os.dup(2), "w"))  # its own fd 2: kept while fd 2 is redirected
     _watch_parent()
@@ -198,6 +205,8 @@ class Worker:
             if isinstance(msg, RunBatch):
                 try:
                     done = BatchDone(msg.batch_id, (), 0.0, 0) if self._revoked(msg.batch_id) else self.run_batch(msg)
+                except SupervisorGone:
+                    raise  # (asking for an output region: nobody reads it any more)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
                     err = remote_error(exc, ErrorKind.RUN)
                     done = BatchDone(msg.batch_id, tuple(Outcome(t.task_id, None, err) for t in msg.tasks), 0.0, 0)

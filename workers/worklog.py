@@ -27,6 +27,13 @@ _NO_TASK: Mapping[str, Any] = MappingProxyType({})
 task_fields: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("slabpool_task_fields", default=_NO_TASK)
 
 
+class SupervisorGone(Exception):
+    """The supervisor's end of the pipe is closed (it is stopping this worker now, or it has
+    died): nothing will read what this worker sends, so it exits quietly, as it does at EOF on
+    its read (a BrokenPipeError's traceback on the worker's stderr, under `slabpool run`'s
+    'stopping now', was seen by a Ctrl-C storm test)."""
+
+
 class Outbox:
     """The worker's one way to send: a lock keeps messages from interleaving across threads."""
 
@@ -35,9 +42,13 @@ class Outbox:
         self._lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
+        """Send one message; SupervisorGone if nobody reads the pipe any more."""
         data = encode(msg)
         with self._lock:
-            self._conn.send_bytes(data)
+            try:
+                self._conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise SupervisorGone(f"the supervisor closed its end of the pipe ({exc})") from None
 
 
 class PipeHandler(logging.Handler):
@@ -54,6 +65,8 @@ class PipeHandler(logging.Handler):
             ctx = context.current()
             fields.update((k, ctx[k]) for k in _CONTEXT_FIELDS if k in ctx)
             self.outbox.send(LogRecord(record.name, record.levelno, record.getMessage(), fields))
+        except SupervisorGone:
+            return  # nobody reads it: the worker is being stopped
         except Exception:  # noqa: BLE001 - logging must never kill a worker
             self.handleError(record)
 
