@@ -9,10 +9,12 @@ process tree and its two listening ports, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -908,9 +910,6 @@ def test_the_protocol_tells_a_waiting_app_its_client_went_away(how):
     import asyncio
     import threading
 
-    import uvloop
-
-    from slabpool.engine.serve import server as serve_server
     from slabpool.engine.serve.uvproto import DISCONNECT
 
     told = threading.Event()
@@ -934,15 +933,7 @@ def test_the_protocol_tells_a_waiting_app_its_client_went_away(how):
         on_lost.remove(gone.set)
         told.set()
 
-    http = serve_server.http_server(app)
-    sock = socket.create_server(("127.0.0.1", 0))
-    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
-    t.start()
-    try:
-        while not http.started:
-            assert t.is_alive()
-            t.join(0.01)
-        where = SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
+    with _in_process(app) as where:
         assert _exchange(where, b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n", 1)[0][1] == b"ok"
         c = socket.create_connection(("127.0.0.1", where.http_port), timeout=30)
         c.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -956,10 +947,6 @@ def test_the_protocol_tells_a_waiting_app_its_client_went_away(how):
         assert told.wait(30)
         c.close()
         assert registered[0] == []  # the quick request's connection: nothing left to call
-    finally:
-        http.should_exit = True
-        t.join(30)
-        sock.close()
 
 
 class _Broken:
@@ -977,26 +964,15 @@ def test_a_route_that_raises_answers_500_and_the_connection_lives_on():
     """Was (uvicorn's own answer to an app that raises): 500 text/plain and the connection
     closed. The app answers the protocol's error object, and the next request on the same
     connection is answered; served by serve's own uvicorn setup (server.http_server)."""
-    import threading
 
-    import uvloop
 
-    from slabpool.engine.serve import server as serve_server
     from slabpool.engine.serve.core import Frontend
     from slabpool.engine.serve.http import HttpApp
     from slabpool.engine.serve.metrics import RequestMetrics
     from slabpool.engine.serve.models import Repository
 
     fe = type("BrokenFrontend", (_Broken, Frontend), {})(Repository([]), RequestMetrics())
-    http = serve_server.http_server(HttpApp(fe, LIMIT))
-    sock = socket.create_server(("127.0.0.1", 0))
-    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
-    t.start()
-    try:
-        while not http.started:
-            assert t.is_alive()
-            t.join(0.01)
-        where = SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
+    with _in_process(HttpApp(fe, LIMIT)) as where:
         live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
         got = _exchange(where, b"GET /v2 HTTP/1.1\r\nHost: x\r\n\r\n" + live
                         + b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" + live, 4)
@@ -1005,6 +981,27 @@ def test_a_route_that_raises_answers_500_and_the_connection_lives_on():
             assert head.startswith(b"HTTP/1.1 500") and b"connection: close" not in head.lower()
             assert json.loads(body) == {"error": f"internal error: {bug}"}
         assert [json.loads(b) for _, b in got[1::2]] == [{"live": True}] * 2
+
+
+@contextlib.contextmanager
+def _in_process(app: Any) -> Iterator[SimpleNamespace]:
+    """`app` on serve's own uvicorn setup (server.http_server), on a uvloop in a thread of this
+    process, on an ephemeral port: where to reach it; stopped (and its socket closed) after."""
+    import threading
+
+    import uvloop
+
+    from slabpool.engine.serve import server as serve_server
+
+    http = serve_server.http_server(app)
+    sock = socket.create_server(("127.0.0.1", 0))
+    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
+    t.start()
+    try:
+        while not http.started:
+            assert t.is_alive()
+            t.join(0.01)
+        yield SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
     finally:
         http.should_exit = True
         t.join(30)
