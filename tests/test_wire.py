@@ -104,7 +104,7 @@ def test_a_worker_whose_supervisor_closed_its_pipe_is_told_so_and_logs_nothing(c
     try:
         with pytest.raises(SupervisorGone, match="closed its end"):
             outbox.send(Ready(os.getpid(), None))
-        record = logging.LogRecord("slabpool.test", logging.WARNING, __file__, 1, "nobody reads this", None, None)
+        record = logging.LogRecord("hook", logging.WARNING, __file__, 1, "nobody reads this", None, None)
         PipeHandler(outbox, 0).handle(record)
         assert capsys.readouterr().err == ""
     finally:
