@@ -176,13 +176,19 @@ class Running:
         return out
 
     def stop(self) -> None:
+        """SIGTERM to the server's process group, then SIGKILL to whatever of the group is left
+        once the server has exited: the FastAPI app's ProcessPoolExecutor workers are forked
+        with uvicorn's SIGTERM handler (they ignore it in effect) and outlived their server,
+        orphaned, still holding its listening socket."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self.proc.wait()
         self.log.close()
 
 
