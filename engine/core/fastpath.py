@@ -318,13 +318,7 @@ class FastPath:
                     except BlockingIOError:
                         pass  # (read by another poll of this thread's: nothing pending)
                 self.lock.own()
-                try:
-                    self.step(lend, readable)
-                except BaseException as exc:
-                    self._interrupted(exc)
-                    raise
-                finally:
-                    self.lock.let_go()
+                self._step_and_let_go(lend, readable)
         finally:
             if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
                 with self.lock.owning():
@@ -340,8 +334,13 @@ class FastPath:
         if not self.lock.try_own():
             self.abandon(lend)
             return
+        self._step_and_let_go(lend, True)
+
+    def _step_and_let_go(self, lend: Lend, readable: bool) -> None:
+        """`step` with the lock this thread has just taken, which it lets go of after; what
+        interrupts it fails the engine (`_interrupted`)."""
         try:
-            self.step(lend, True)
+            self.step(lend, readable)
         except BaseException as exc:
             self._interrupted(exc)
             raise
