@@ -437,11 +437,17 @@ def test_an_async_call_cancelled_on_a_lent_slot_ends_once_and_the_slot_serves_on
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
+            # the cancel lane's receipt, while the run is still held at the gate (opened
+            # before it, the answer could come first and the task end done: a race, not a case)
+            deadline = time.monotonic() + 60
+            while eng.stats().cancelled != 1:
+                assert time.monotonic() < deadline, "never: the cancel lane's receipt"
+                await asyncio.sleep(0.002)
+            assert not (tmp_path / "open").exists()
             (tmp_path / "open").touch()
             return (await eng.infer_async(_gated(tmp_path, "b", False)))["probs"]
 
         after = asyncio.run(main())
-        _until(lambda: eng.stats().cancelled == 1, "the cancel lane's receipt")
         st = eng.stats()
     assert after.shape == (1, 8)
     assert (st.cancelled, st.completed, st.failed) == (1, 2, 0)
