@@ -453,6 +453,72 @@ def test_an_async_call_cancelled_on_a_lent_slot_ends_once_and_the_slot_serves_on
     assert (st.cancelled, st.completed, st.failed) == (1, 2, 0)
 
 
+def test_a_loop_lend_goes_back_to_the_owner_when_work_queues_behind_it(models, tmp_path, monkeypatch):
+    """One loop calling one at a time is lent the slot; held at its gate, a second call from
+    the loop queues behind it: the owner thread takes the lend back (the loop may look late:
+    the owner reads the answer and feeds the slot), and both end with their outputs, once.
+    (RECLAIM_S, the guard for a loop that stopped looking, is put out of reach.)"""
+    monkeypatch.setattr(fastpath, "RECLAIM_S", 3600.0)
+    want = _probs(models, X)
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+
+        async def main() -> tuple[list[dict[str, Any]], int]:
+            for tag in ("warm0", "warm1"):  # two idle accepts in a row: the loop calls one at a time
+                _owner_asleep(eng)
+                await eng.infer_async(_gated(tmp_path, tag, False))
+            _owner_asleep(eng)
+            before, served = _fast(eng).lends, _fast(eng).served
+            a = asyncio.ensure_future(eng.infer_async(_gated(tmp_path, "a", True)))
+            while not (tmp_path / "started-a").exists():
+                await asyncio.sleep(0.005)
+            assert _fast(eng).lends == before + 1 and _fast(eng).lent, "a was lent to the loop"
+            b = asyncio.ensure_future(eng.infer_async(_gated(tmp_path, "b", False)))
+            deadline = time.monotonic() + 30
+            while _fast(eng).lent:  # b queued: the owner takes a's slot back
+                assert time.monotonic() < deadline, "never: the lend taken back"
+                await asyncio.sleep(0.002)
+            (tmp_path / "open").touch()
+            got = list(await asyncio.gather(a, b))
+            return got, _fast(eng).served - served
+
+        got, served = asyncio.run(main())
+        st = eng.stats()
+    assert [g["probs"].tobytes() for g in got] == [want.tobytes()] * 2
+    assert served == 0  # a's answer was the owner thread's to read
+    assert (st.accepted, st.completed, st.failed, st.cancelled) == (4, 4, 0, 0)
+
+
+def test_a_loop_with_calls_in_flight_is_lent_a_slot_again_after_two_calls_alone(models):
+    """A loop's first call (no call of its before), and its first after a wave of calls at
+    once, are not lent: only a second idle accept in a row says the loop calls one at a time
+    (a server's waves would otherwise lend each wave's first call while the rest queue)."""
+    want = _probs(models, X)
+    with Engine(models.mlp, workers=2) as eng:
+
+        async def main() -> tuple[list[int], list[np.ndarray]]:
+            lends, out = [], []
+            for _ in range(3):
+                _owner_asleep(eng)
+                out.append((await eng.infer_async({"x": X}))["probs"])
+                lends.append(_fast(eng).lends)
+            many = await asyncio.gather(*(eng.infer_async({"x": X}) for _ in range(16)))
+            out += [m["probs"] for m in many]
+            lends.append(_fast(eng).lends)
+            for _ in range(2):
+                _owner_asleep(eng)
+                out.append((await eng.infer_async({"x": X}))["probs"])
+                lends.append(_fast(eng).lends)
+            return lends, out
+
+        lends, out = asyncio.run(main())
+        st = eng.stats()
+    assert lends[:3] == [0, 1, 2]  # the first call: no idle accept before it
+    assert lends[3] - lends[2] <= 1  # the wave: at most its first call (taken back as the rest queue)
+    assert lends[4:] == [lends[3], lends[3] + 1]  # after the wave: the second call alone is lent
+    assert all(o.tobytes() == want.tobytes() for o in out) and len(out) == 21
+    assert (st.completed, st.failed) == (21, 0)
+
+
 def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_path, start_method):
     """os.fork() while a thread waits on its lent slot: in the child the engine refuses calls
     (EngineClosed naming the fork) and the child exits without touching the slot; in the
