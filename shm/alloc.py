@@ -37,15 +37,17 @@ class RangeAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """Return the offset of a free range of at least `nbytes`, or None if none fits."""
-        need = align_up(max(nbytes, 1))
-        for i, free in enumerate(self._sizes):
+        need = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN  # (align_up, inline: every lease)
+        sizes = self._sizes
+        for i, free in enumerate(sizes):
             if free >= need:
-                start = self._starts[i]
+                starts = self._starts
+                start = starts[i]
                 if free == need:
-                    del self._starts[i], self._sizes[i]
+                    del starts[i], sizes[i]
                 else:
-                    self._starts[i] += need
-                    self._sizes[i] -= need
+                    starts[i] = start + need
+                    sizes[i] = free - need
                 self._used[start] = need
                 return start
         return None
@@ -54,13 +56,19 @@ class RangeAllocator:
         size = self._used.pop(offset, None)
         if size is None:
             raise KeyError(f"range at offset {offset} is not allocated (double free?)")
-        i = bisect.bisect_left(self._starts, offset)
-        self._starts.insert(i, offset)
-        self._sizes.insert(i, size)
-        # coalesce with the next range, then with the previous one
-        if i + 1 < len(self._starts) and offset + size == self._starts[i + 1]:
-            self._sizes[i] += self._sizes.pop(i + 1)
-            del self._starts[i + 1]
-        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:
-            self._sizes[i - 1] += self._sizes.pop(i)
-            del self._starts[i]
+        starts, sizes = self._starts, self._sizes
+        i = bisect.bisect_left(starts, offset)
+        end = offset + size
+        # coalesce with the previous range and the next one, in place where it can
+        after = i < len(starts) and starts[i] == end
+        if i > 0 and starts[i - 1] + sizes[i - 1] == offset:
+            sizes[i - 1] += size
+            if after:
+                sizes[i - 1] += sizes.pop(i)
+                del starts[i]
+        elif after:
+            starts[i] = offset
+            sizes[i] += size
+        else:
+            starts.insert(i, offset)
+            sizes.insert(i, size)

@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from slabpool.shm.alloc import RangeAllocator, align_up
+from slabpool.shm.alloc import ALIGN, RangeAllocator, align_up
 from slabpool.shm.capacity import Headroom, dev_shm_available, mem_available
 from slabpool.shm.errors import CapacityError, LeaseError
 from slabpool.shm.sweep import PREFIX
@@ -70,7 +70,11 @@ class Arena:
         self.capacity = align_up(capacity, PAGE)
         self.backend = backend
         self._step = align_up(commit_step, PAGE)
-        self._cond = threading.Condition()
+        # one lock, taken directly by `with` (a Condition's own __enter__/__exit__ are Python
+        # calls); the Condition waits on it, and is notified only while someone waits
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0
         self._alloc = RangeAllocator(self.capacity)
         self._leases: dict[int, Lease] = {}
         self.committed = 0
@@ -87,26 +91,33 @@ class Arena:
 
     def lease(self, nbytes: int, *, timeout: float | None = None) -> Lease:
         """Lease `nbytes`, waiting up to `timeout` (None: forever) for space; TimeoutError then."""
-        if align_up(max(nbytes, 1)) > self.capacity:
+        if (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN > self.capacity:  # (align_up, inline: every call)
             raise CapacityError(
                 f"a request of {nbytes} bytes cannot fit the {self.label} arena of "
                 f"{self.capacity} bytes; raise shm_capacity",
                 needed=nbytes,
                 available=self.capacity,
             )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
+            got = self._try_lease_locked(nbytes)
+            if got is not None:
+                return got
+            deadline = None if timeout is None else time.monotonic() + timeout
             while True:
-                got = self._try_lease_locked(nbytes)
-                if got is not None:
-                    return got
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no {nbytes} bytes free in the {self.label} arena")
-                self._cond.wait(remaining)
+                self._waiters += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._waiters -= 1
+                got = self._try_lease_locked(nbytes)
+                if got is not None:
+                    return got
 
     def try_lease(self, nbytes: int) -> Lease | None:
-        with self._cond:
+        with self._lock:
             return self._try_lease_locked(nbytes)
 
     def release(self, lease: Lease) -> None:
@@ -115,7 +126,7 @@ class Arena:
     def release_many(self, leases: Iterable[Lease]) -> None:
         """Give leases back (under one lock); LeaseError for one not held, after the others."""
         bad = None
-        with self._cond:
+        with self._lock:
             for lease in leases:
                 held = self._leases.get(lease.offset)
                 if held is None or held.gen != lease.gen:
@@ -123,7 +134,8 @@ class Arena:
                     continue
                 del self._leases[lease.offset]
                 self._alloc.free(lease.offset)
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
         if bad is not None:
             raise LeaseError(f"{bad} is not held (released twice?)")
 
@@ -131,7 +143,7 @@ class Arena:
         offset = self._alloc.allocate(nbytes)
         if offset is None:
             return None
-        end = offset + align_up(max(nbytes, 1))
+        end = offset + (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
         if end > self.committed:
             try:
                 self._commit(min(self.capacity, align_up(end, self._step)))
@@ -178,12 +190,12 @@ class Arena:
 
     @property
     def used(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._alloc.used
 
     @property
     def leases(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._leases)
 
     def close(self) -> None:

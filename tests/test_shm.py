@@ -36,6 +36,9 @@ def test_allocator_never_overlaps_and_coalesces_back_to_one_range():
             off = rnd.choice(list(live))
             alloc.free(off)
             del live[off]
+            starts, sizes = alloc._starts, alloc._sizes  # the free list: sorted, and coalesced
+            assert all(a + n < b for a, n, b in zip(starts, sizes, starts[1:], strict=False))
+            assert alloc.used == sum(alloc_size for alloc_size in alloc._used.values())
         else:
             size = rnd.randint(1, 3000)
             off = alloc.allocate(size)

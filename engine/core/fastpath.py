@@ -385,10 +385,10 @@ class FastPath:
             return
         self.served += lend.batch not in co.slots[lend.slot].batches  # (answered, not cancelled)
         self.give_back(lend)
-        now = time.monotonic()
         if len(co.queue) or not co.queue.hungry:  # (hungry and empty: the next accept dispatches)
+            now = time.monotonic()
             co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
-        self._tell_owner(now)
+            self._tell_owner(now)  # (no dispatch, no new timer: the owner's can only have ended)
         co.ledger.flush()
 
     def _waiting(self, lend: Lend) -> bool:
