@@ -8,6 +8,7 @@ not timings it hopes for. Every wait has a deadline that only a deadlock reaches
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -222,20 +223,18 @@ def test_close_on_error_cancels_queued_waiters_without_blocking_the_loop(models:
 
 def test_the_loop_never_waits_on_a_full_queue_while_200_run(models: Any) -> None:
     """A full queue sends callers to the admission lane, never to a wait on the loop: every
-    wait on the admission queue's condition (a real one, recorded as it happens) is on another
-    thread, and there were such waits (the lane was exercised)."""
+    caller that waits for a place in the admission queue (each joins its line first: recorded
+    as it happens) is on another thread, and there were such waits (the lane was exercised)."""
     waits: list[int] = []
+
+    class RecordedLine(collections.deque):  # type: ignore[type-arg]
+        def append(self, turn: Any) -> None:
+            waits.append(threading.get_ident())
+            super().append(turn)
 
     async def main() -> None:
         async with Engine(models.mlp, workers=2, queue_capacity=4) as eng:
-            cond = eng._queue._cond
-            real_wait = cond.wait
-
-            def recorded_wait(timeout: float | None = None) -> bool:
-                waits.append(threading.get_ident())
-                return real_wait(timeout)
-
-            cond.wait = recorded_wait  # type: ignore[method-assign]
+            eng._queue._line = RecordedLine()
             loop_thread = threading.get_ident()
             xs = [rows(2, seed=i) for i in range(200)]
             outs = await asyncio.gather(*(eng.infer_async({"x": x}) for x in xs))

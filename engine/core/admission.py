@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -90,15 +91,18 @@ class TaskQueue:
         self.policy = AdmissionPolicy.of(policy)
         self._wake = wake
         # one lock; `with` takes it directly (a Condition's own __enter__ and __exit__ are two
-        # Python calls each time, ~16 a call on the fast path), the Condition waits on it
+        # Python calls each time, ~16 a call on the fast path); each waiting caller waits on a
+        # Condition of its own over it, in `_line`
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
         self._pending: dict[int, Task] = {}  # insertion (= acceptance) ordered
         self._replays: list[Batch] = []  # sorted by their first task id
         self._reserved = 0
         self._next_id = 0
         self._closed: BaseException | None = None
-        self._waiting = 0  # callers blocked for a place (notify only when someone waits)
+        # callers blocked for a place, in arrival order: a caller takes one only if there is
+        # one for each caller ahead of it too, so a newcomer never passes the line (no
+        # barging); freed places wake that many callers, first in line first
+        self._line: deque[threading.Condition] = deque()
         self._deadlines = 0  # queued tasks with a deadline: no scan per step when there are none
         # False while every slot is full: a new task can wait for the next completion (the
         # supervisor takes from the queue then), so the caller does not wake the supervisor;
@@ -123,24 +127,37 @@ class TaskQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         superseded: list[Task] = []
         with self._lock:
-            while True:
-                self.raise_if_closed()
-                over = bool(self.max_bytes) and bool(self._pending) and self._bytes + nbytes > self.max_bytes
-                if self._size() < self.capacity and not over:
-                    break
-                if self.policy is AdmissionPolicy.REJECT:
-                    raise QueueFull(f"queue full ({len(self)} tasks, {self._bytes} bytes waiting); nothing accepted")
-                if self.policy is AdmissionPolicy.DROP_OLDEST and self._pending:
-                    superseded.append(self._take_out(next(iter(self._pending))))
-                    continue
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise QueueFull(f"queue still full ({self.capacity} tasks) after {timeout} s")
-                self._waiting += 1
-                try:
-                    self._cond.wait(left)
-                finally:
-                    self._waiting -= 1
+            turn: threading.Condition | None = None  # this caller's place in the line
+            placed = False
+            try:
+                while True:
+                    self.raise_if_closed()
+                    over = bool(self.max_bytes) and bool(self._pending) and self._bytes + nbytes > self.max_bytes
+                    room = self.capacity - self._size()
+                    ahead = len(self._line) if turn is None else self._line.index(turn)
+                    if room > ahead and not over:  # a place for each caller ahead in line, and one for this
+                        break
+                    full = over or room <= 0
+                    if full and self.policy is AdmissionPolicy.REJECT:
+                        raise QueueFull(f"queue full ({len(self)} tasks, {self._bytes} bytes waiting); nothing accepted")
+                    if full and self.policy is AdmissionPolicy.DROP_OLDEST and self._pending:
+                        superseded.append(self._take_out(next(iter(self._pending))))
+                        continue
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        why = f"queue still full ({self.capacity} tasks)" if full else (
+                            f"{ahead} caller(s) still waiting for a place ahead of this one")
+                        raise QueueFull(f"{why} after {timeout} s")
+                    if turn is None:
+                        turn = threading.Condition(self._lock)
+                        self._line.append(turn)
+                    turn.wait(left)
+                placed = True
+            finally:
+                if turn is not None:
+                    self._line.remove(turn)
+                    if not placed:
+                        self._notify()  # (gave up: the place it was woken for goes to the next in line)
             self._reserved += 1
             self._bytes += nbytes
         return superseded
@@ -196,7 +213,8 @@ class TaskQueue:
         with self._lock:
             if self._closed is None:
                 self._closed = error
-            self._notify()
+            for turn in self._line:  # every caller in line ends with the error
+                turn.notify()
 
     def _take_out(self, task_id: int) -> Task:
         task = self._pending.pop(task_id)
@@ -206,8 +224,12 @@ class TaskQueue:
         return task
 
     def _notify(self) -> None:
-        if self._waiting:
-            self._cond.notify_all()
+        """Places may have freed up: as many callers as there are places, first in line
+        first, are woken (never the whole line: the rest would only wait again)."""
+        line = self._line
+        if line:
+            for turn in itertools.islice(line, max(self.capacity - self._size(), 1)):
+                turn.notify()
 
     def raise_if_closed(self) -> None:
         """Raise why the queue was closed (the engine's failure, or EngineClosed), if it was."""
