@@ -405,11 +405,11 @@ def test_async_calls_are_lent_to_the_loop_and_a_death_replays_once(models, tmp_p
         want = eng.infer({"x": X})["probs"]
 
         async def main() -> tuple[list[np.ndarray], int]:
-            one = []
-            for _ in range(5):
-                _owner_asleep(eng)
+            one, before = [], _fast(eng).lends
+            while _fast(eng).lends < before + 4 and len(one) < 40:  # (the first is not lent: loop_calm;
+                _owner_asleep(eng)  # on a loaded machine the owner thread may wake meanwhile)
                 one.append((await eng.infer_async({"x": X}))["probs"])
-            lent = _fast(eng).lends
+            lent = _fast(eng).lends - before
             items: list[dict[str, Any]] = [{"x": X} for _ in range(40)]
             items[17] = {"x": X, "kill_once": str(tmp_path / "killed")}
             many = await asyncio.gather(*(eng.infer_async(it) for it in items))
@@ -417,9 +417,9 @@ def test_async_calls_are_lent_to_the_loop_and_a_death_replays_once(models, tmp_p
 
         got, lent = asyncio.run(main())
         st = eng.stats()
-    assert lent >= 5
-    assert len(got) == 45 and all(g.tobytes() == want.tobytes() for g in got)
-    assert (st.completed, st.failed, st.restarts) == (46, 0, 1) and st.replayed >= 1
+    assert lent == 4
+    assert len(got) >= 45 and all(g.tobytes() == want.tobytes() for g in got)
+    assert (st.completed, st.failed, st.restarts) == (len(got) + 1, 0, 1) and st.replayed >= 1
 
 
 def test_an_async_call_cancelled_on_a_lent_slot_ends_once_and_the_slot_serves_on(models, tmp_path):
@@ -463,21 +463,27 @@ def test_a_loop_lend_goes_back_to_the_owner_when_work_queues_behind_it(models, t
     with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
 
         async def main() -> tuple[list[dict[str, Any]], int]:
-            for tag in ("warm0", "warm1"):  # two idle accepts in a row: the loop calls one at a time
+            await eng.infer_async(_gated(tmp_path, "warm", False))  # one idle accept before a's
+            for attempt in range(20):  # (on a loaded machine the owner thread may wake meanwhile)
+                gate = tmp_path / f"try{attempt}"
+                gate.mkdir()
                 _owner_asleep(eng)
-                await eng.infer_async(_gated(tmp_path, tag, False))
-            _owner_asleep(eng)
-            before, served = _fast(eng).lends, _fast(eng).served
-            a = asyncio.ensure_future(eng.infer_async(_gated(tmp_path, "a", True)))
-            while not (tmp_path / "started-a").exists():
-                await asyncio.sleep(0.005)
-            assert _fast(eng).lends == before + 1 and _fast(eng).lent, "a was lent to the loop"
-            b = asyncio.ensure_future(eng.infer_async(_gated(tmp_path, "b", False)))
+                before, served = _fast(eng).lends, _fast(eng).served
+                a = asyncio.ensure_future(eng.infer_async(_gated(gate, "a", True)))
+                while not (gate / "started-a").exists():
+                    await asyncio.sleep(0.005)
+                if _fast(eng).lends == before + 1 and _fast(eng).lent:
+                    break
+                (gate / "open").touch()  # not lent: let it end, and try again
+                await a
+            else:
+                raise AssertionError("no call was lent to the loop in 20 tries")
+            b = asyncio.ensure_future(eng.infer_async(_gated(gate, "b", False)))
             deadline = time.monotonic() + 30
             while _fast(eng).lent:  # b queued: the owner takes a's slot back
                 assert time.monotonic() < deadline, "never: the lend taken back"
                 await asyncio.sleep(0.002)
-            (tmp_path / "open").touch()
+            (gate / "open").touch()
             got = list(await asyncio.gather(a, b))
             return got, _fast(eng).served - served
 
@@ -485,38 +491,56 @@ def test_a_loop_lend_goes_back_to_the_owner_when_work_queues_behind_it(models, t
         st = eng.stats()
     assert [g["probs"].tobytes() for g in got] == [want.tobytes()] * 2
     assert served == 0  # a's answer was the owner thread's to read
-    assert (st.accepted, st.completed, st.failed, st.cancelled) == (4, 4, 0, 0)
+    assert st.completed == st.accepted and (st.failed, st.cancelled) == (0, 0)
 
 
-def test_a_loop_with_calls_in_flight_is_lent_a_slot_again_after_two_calls_alone(models):
+def test_a_loop_with_calls_in_flight_is_lent_a_slot_again_after_two_calls_alone(models, tmp_path):
     """A loop's first call (no call of its before), and its first after a wave of calls at
     once, are not lent: only a second idle accept in a row says the loop calls one at a time
-    (a server's waves would otherwise lend each wave's first call while the rest queue)."""
+    (a server's waves would otherwise lend each wave's first call while the rest queue). The
+    wave is held at a gate until all of it is accepted (no call of it ends before the last
+    accept), then let go."""
     want = _probs(models, X)
-    with Engine(models.mlp, workers=2) as eng:
+    with Engine(models.mlp, workers=2, preprocess=GATED) as eng:
+
+        async def alone(tag: str) -> int:
+            """Calls one at a time until one is lent (on a loaded machine the owner thread may
+            wake meanwhile); how many were not lent before it."""
+            for missed in range(20):
+                _owner_asleep(eng)
+                before = _fast(eng).lends
+                out.append((await eng.infer_async(_gated(tmp_path, f"{tag}{missed}", False)))["probs"])
+                if _fast(eng).lends > before:
+                    return missed
+            raise AssertionError("no call was lent to the loop in 20 tries")
+
+        out: list[np.ndarray] = []
 
         async def main() -> tuple[list[int], list[np.ndarray]]:
-            lends, out = [], []
-            for _ in range(3):
-                _owner_asleep(eng)
-                out.append((await eng.infer_async({"x": X}))["probs"])
-                lends.append(_fast(eng).lends)
-            many = await asyncio.gather(*(eng.infer_async({"x": X}) for _ in range(16)))
-            out += [m["probs"] for m in many]
+            lends = []
+            _owner_asleep(eng)
+            out.append((await eng.infer_async(_gated(tmp_path, "first", False)))["probs"])
             lends.append(_fast(eng).lends)
-            for _ in range(2):
-                _owner_asleep(eng)
-                out.append((await eng.infer_async({"x": X}))["probs"])
-                lends.append(_fast(eng).lends)
-            return lends, out
+            await alone("one")
+            lends.append(_fast(eng).lends)
+            wave = [asyncio.ensure_future(eng.infer_async(_gated(tmp_path, f"w{i}", True))) for i in range(16)]
+            deadline = time.monotonic() + 60
+            while eng.stats().accepted < len(out) + 16:
+                assert time.monotonic() < deadline, "never: the wave accepted"
+                await asyncio.sleep(0.002)
+            (tmp_path / "open").touch()
+            out.extend(m["probs"] for m in await asyncio.gather(*wave))
+            lends.append(_fast(eng).lends)
+            missed = await alone("two")
+            return [*lends, missed], out
 
-        lends, out = asyncio.run(main())
+        (first, calm, wave, missed), out = asyncio.run(main())
         st = eng.stats()
-    assert lends[:3] == [0, 1, 2]  # the first call: no idle accept before it
-    assert lends[3] - lends[2] <= 1  # the wave: at most its first call (taken back as the rest queue)
-    assert lends[4:] == [lends[3], lends[3] + 1]  # after the wave: the second call alone is lent
-    assert all(o.tobytes() == want.tobytes() for o in out) and len(out) == 21
-    assert (st.completed, st.failed) == (21, 0)
+    assert first == 0  # the loop's first call: no idle accept before it
+    assert wave - calm <= 1  # the wave: at most its first call (taken back as the rest queue)
+    assert missed >= 1  # after the wave: its first call alone is not lent, a later one is
+    assert all(o.tobytes() == want.tobytes() for o in out)
+    assert (st.completed, st.failed) == (len(out), 0)
 
 
 def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_path, start_method):

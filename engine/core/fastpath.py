@@ -219,6 +219,7 @@ class FastPath:
 
     def _dispatch_here(self, task: Task, lending: Lender) -> Lend | None:
         if not self.lock.try_own():
+            self.loop_calm = False  # (the owner is busy: not an idle accept)
             self.co.wake()
             return None
         try:
