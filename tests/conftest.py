@@ -5,6 +5,8 @@ test (no child process, no slabpool shared memory)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,13 +75,28 @@ def nothing_left_behind():
     assert not slabpool_shm(), f"shared memory left behind: {slabpool_shm()}"
 
 
-@pytest.fixture(autouse=True, scope="session")
-def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Engines (and CLI runs) of the suite keep their weight cache in a folder of this session,
-    not in the user's cache dir (workers.weights)."""
-    d: Path = tmp_path_factory.mktemp("weight-cache")
+_WEIGHT_CACHE: list[Path] = []  # this run's weight cache folder, made at configure
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Engines (and CLI runs) of the suite keep their weight cache in a folder of this run, not
+    in the user's cache dir (workers.weights). Set before any test module is imported: a module
+    that copies os.environ for its subprocesses at import (test_cli's ENV) gets it too (a session
+    fixture set it after, and the CLI runs wrote prepacked models into ~/.cache/slabpool)."""
+    d = Path(tempfile.mkdtemp(prefix="slabpool-test-weight-cache-"))
+    _WEIGHT_CACHE.append(d)
     os.environ["SLABPOOL_CACHE_DIR"] = str(d)
-    return d
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for d in _WEIGHT_CACHE:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def weight_cache() -> Path:
+    """This run's weight cache folder (see pytest_configure)."""
+    return _WEIGHT_CACHE[0]
 
 
 @pytest.fixture(autouse=True, scope="session")
