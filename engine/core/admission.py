@@ -237,7 +237,8 @@ class TaskQueue:
             raise self._closed
 
     def _size(self) -> int:
-        return len(self._pending) + sum(len(b.tasks) for b in self._replays) + self._reserved
+        n = len(self._pending) + self._reserved  # (no generator when no replay waits: every call asks)
+        return n + sum(len(b.tasks) for b in self._replays) if self._replays else n
 
     # -- the supervisor's side ----------------------------------------------------------------
 
