@@ -14,8 +14,9 @@
 
      fast path (engine.core.fastpath): an idle engine's infer() runs 3-4 on the caller's
      thread and is lent slot k: it waits on pipe k itself and runs 8-9 (the owner's own code,
-     under the owner lock); infer_async lends it to the event loop. Under load, or off the
-     happy path (a death, a timer, a cancel, close), the owner thread does as drawn.
+     under the owner lock); infer_async lends it to the event loop (after two idle accepts
+     in a row; taken back once work queues behind it). Under load, or off the happy path (a
+     death, a timer, a cancel, close), the owner thread does as drawn.
 
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
@@ -58,7 +59,7 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `transport.SlotTransport` (the backend: start, send, revoke, kill; it reports Ready, Done,
   Died as values). The crash path a-d is `Coordinator._on_died`; `stopping` is the stop path
   (no step stops the others; every Future ends). `admission.TaskQueue` bounds what is accepted
-  and not yet running; pure policy: `dispatch` (steps 3-4: group and batch limits),
+  and not yet running (callers blocked on it get places in arrival order); pure policy: `dispatch` (steps 3-4: group and batch limits),
   `recovery` (step d: who is charged); `reload.ReloadPlan` is a hot model swap, slot by slot.
 - `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one

@@ -37,7 +37,7 @@ class RangeAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """Return the offset of a free range of at least `nbytes`, or None if none fits."""
-        need = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN  # (align_up, inline: every lease)
+        need = align_up(max(nbytes, 1))
         sizes = self._sizes
         for i, free in enumerate(sizes):
             if free >= need:

@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from slabpool.shm.alloc import ALIGN, RangeAllocator, align_up
+from slabpool.shm.alloc import RangeAllocator, align_up
 from slabpool.shm.capacity import Headroom, dev_shm_available, mem_available
 from slabpool.shm.errors import CapacityError, LeaseError
 from slabpool.shm.sweep import PREFIX
@@ -91,7 +91,7 @@ class Arena:
 
     def lease(self, nbytes: int, *, timeout: float | None = None) -> Lease:
         """Lease `nbytes`, waiting up to `timeout` (None: forever) for space; TimeoutError then."""
-        if (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN > self.capacity:  # (align_up, inline: every call)
+        if align_up(max(nbytes, 1)) > self.capacity:
             raise CapacityError(
                 f"a request of {nbytes} bytes cannot fit the {self.label} arena of "
                 f"{self.capacity} bytes; raise shm_capacity",
@@ -143,7 +143,7 @@ class Arena:
         offset = self._alloc.allocate(nbytes)
         if offset is None:
             return None
-        end = offset + (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
+        end = offset + align_up(max(nbytes, 1))
         if end > self.committed:
             try:
                 self._commit(min(self.capacity, align_up(end, self._step)))

@@ -237,7 +237,12 @@ class TaskQueue:
             raise self._closed
 
     def _size(self) -> int:
-        n = len(self._pending) + self._reserved  # (no generator when no replay waits: every call asks)
+        return self._queued() + self._reserved
+
+    def _queued(self) -> int:
+        """Tasks waiting, new or to replay (the lock held; no generator when no replay waits:
+        asked several times a call)."""
+        n = len(self._pending)
         return n + sum(len(b.tasks) for b in self._replays) if self._replays else n
 
     # -- the supervisor's side ----------------------------------------------------------------
@@ -326,8 +331,7 @@ class TaskQueue:
 
     def __len__(self) -> int:
         with self._lock:
-            n = len(self._pending)  # (asked twice a call on the fast path: no generator when no replay waits)
-            return n + sum(len(b.tasks) for b in self._replays) if self._replays else n
+            return self._queued()
 
 
 def superseded_error(task: Task) -> TaskCancelled:

@@ -182,7 +182,7 @@ class FastPath:
         self.lent: dict[int, Lend] = co.dispatcher.lent  # slot index -> its lend
         self.sleep_until = 0.0  # when the owner thread's wait ends (monotonic; inf: no timer)
         self.lends = 0  # slots lent so far
-        self.loop_calm = False  # an event loop's last accept found the engine idle too (see _idle)
+        self.loop_calm = False  # the last accept found the engine idle: a loop may be lent next (see _idle)
         self.served = 0  # lent calls whose answer their caller read (the whole call off the owner thread)
         self._local = threading.local()
         if self.transport is not None:
