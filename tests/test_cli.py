@@ -183,7 +183,9 @@ def wait_until(cond: Callable[[], bool], what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGKILL, -9), (signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_resume_after_interrupt(signum: int, status: int, tmp_path: Path, models: SimpleNamespace) -> None:
-    n = 60
+    # more items than the job holds accepted at once (its window): what it finishes after
+    # the signal cannot be all of them (at 60, SIGINT's drain once made every item durable)
+    n = 200
     log = tmp_path / "computed.log"
     items = [{"i": i, "x": r.tolist(), "log": str(log), "sleep": 0.03} for i, r in enumerate(rows(n))]
     src, out = jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.npy"
