@@ -8,12 +8,18 @@ it back (`give_back`): epoll's set changes at once, under a wait in progress too
 Keys are values (`Key`: what an fd stands for, and the object it belongs to), compared by
 the identity of that object: a pipe or a process that has gone is never mistaken for the
 next one on the same fd number.
+
+It is `select.epoll` itself, not the `selectors` module over it: a lend and its give-back
+change the set on every idle call, and `selectors`' own bookkeeping around each epoll_ctl (a
+SelectorKey, its fd lookup, its map) was ~200 of a call's ~6,200 opcodes. What `wait`
+returns keeps `selectors`' event bits (EVENT_READ, EVENT_WRITE).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import select
 import selectors
 import threading
 from dataclasses import dataclass
@@ -47,8 +53,10 @@ class SlotSelector:
         # caller's late wake() must not write into an fd number that something else now holds
         self._wake_lock = threading.Lock()
         self._wake_closed = False
-        self._selector = selectors.DefaultSelector()
-        self._watched: dict[int, Key] = {}
+        self._epoll = select.epoll()
+        self._watched: dict[int, Key] = {}  # fd -> what it stands for, as registered
+        self._events: dict[int, int] = {}  # fd -> the EVENT_* bits it is registered for
+        self._lendable: dict[int, Key] = {}  # a worker pipe's key, kept while it is lent
         self._wake_key = Key(Watched.WAKE, None, None)
         self.dirty = True  # set whenever a pipe or a process comes or goes
 
@@ -76,11 +84,17 @@ class SlotSelector:
     def wait(self, timeout: float | None) -> list[tuple[Key, int]]:
         """One wait; the wake-up pipe is read here (a wake() from then on writes again, and
         one that saw a byte pending is served by the caller's step: its work is queued)."""
-        got = [(key.data, mask) for key, mask in self._selector.select(timeout)]
-        for key, _ in got:
+        got: list[tuple[Key, int]] = []
+        for fd, ev in self._epoll.poll(-1 if timeout is None else max(timeout, 0.0)):
+            key = self._watched.get(fd)
+            if key is None:
+                continue  # (unwatched by a caller since the kernel reported it)
+            mask = (selectors.EVENT_WRITE if ev & ~select.EPOLLIN else 0) | (
+                selectors.EVENT_READ if ev & ~select.EPOLLOUT else 0)
             if key.kind is Watched.WAKE:
                 os.read(self._wake_r, 4096)
                 self._wake_pending = False
+            got.append((key, mask))
         return got
 
     def _sync(self, workers: list[Slot]) -> None:
@@ -97,11 +111,9 @@ class SlotSelector:
         for fd, key in list(self._watched.items()):
             if want.get(fd) is not key:
                 self._unregister(fd)
-                del self._watched[fd]
         for fd, key in want.items():
             if fd not in self._watched:
-                self._selector.register(fd, _events(key), key)
-                self._watched[fd] = key
+                self._register(fd, key, _events(key))
         self.dirty = False
 
     def set_writing(self, w: Slot, on: bool) -> None:
@@ -114,14 +126,17 @@ class SlotSelector:
             self.dirty = True  # registered with its outbox's events on the next sync
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
-        if self._selector.get_key(fd).events != events:
-            self._selector.modify(fd, events, key)
+        if self._events[fd] != events:
+            self._epoll.modify(fd, _epoll_mask(events))
+            self._events[fd] = events
 
     def lend(self, w: Slot) -> None:
         """A worker's pipe leaves the selector (w.lent is set): a caller polls it."""
         assert w.conn is not None
         fd = w.fd
-        if self._watched.pop(fd, None) is not None:
+        key = self._watched.get(fd)
+        if key is not None:
+            self._lendable[fd] = key
             self._unregister(fd)
 
     def give_back(self, w: Slot) -> None:
@@ -130,13 +145,15 @@ class SlotSelector:
             return
         fd = w.fd
         if fd not in self._watched:
-            key = _same_or_new(self._watched, fd, Watched.CONN, w, w.conn)
-            self._selector.register(fd, _events(key), key)
-            self._watched[fd] = key
+            key = self._lendable.pop(fd, None)
+            if key is None or key.worker is not w or key.obj is not w.conn:
+                key = Key(Watched.CONN, w, w.conn)
+            self._register(fd, key, _events(key))
 
     def forget(self, fd: int) -> None:
         """Unwatch an fd before it is closed (its number may be reused at once)."""
-        if self._watched.pop(fd, None) is not None:
+        self._lendable.pop(fd, None)
+        if fd in self._watched:
             self._unregister(fd)
         self.dirty = True
 
@@ -146,10 +163,18 @@ class SlotSelector:
         if w.process is not None:
             self.forget(w.process.sentinel)
 
+    def _register(self, fd: int, key: Key, events: int) -> None:
+        self._epoll.register(fd, _epoll_mask(events))
+        self._watched[fd] = key
+        self._events[fd] = events
+
     def _unregister(self, fd: int) -> None:
+        """Out of the set and the maps (an fd already closed is out of epoll's set already)."""
+        del self._watched[fd]
+        del self._events[fd]
         try:
-            self._selector.unregister(fd)
-        except (KeyError, ValueError, OSError):
+            self._epoll.unregister(fd)
+        except (ValueError, OSError):
             pass
 
     def close(self) -> None:
@@ -157,7 +182,7 @@ class SlotSelector:
             if self._wake_closed:
                 return
             self._wake_closed = True
-            self._selector.close()
+            self._epoll.close()
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
 
@@ -166,6 +191,11 @@ def _same_or_new(watched: dict[int, Key], fd: int, kind: Watched, w: Slot, obj: 
     key = Key(kind, w, obj)
     old = watched.get(fd)
     return old if old is not None and key.same(old) else key
+
+
+def _epoll_mask(events: int) -> int:
+    return (select.EPOLLIN if events & selectors.EVENT_READ else 0) | (
+        select.EPOLLOUT if events & selectors.EVENT_WRITE else 0)
 
 
 def _events(key: Key) -> int:
