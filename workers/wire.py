@@ -41,6 +41,8 @@ class FrameReader:
             return []
         if not chunk:
             raise EOFError("the other end of the pipe is closed")
+        if not self._buf and len(chunk) >= 4 and _HEAD.unpack_from(chunk)[0] == len(chunk) - 4:
+            return [chunk[4:]]  # one whole frame, the usual read: no buffer, one copy
         self._buf += chunk
         return self._split()
 
