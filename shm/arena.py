@@ -26,8 +26,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -43,8 +42,7 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _generation = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(NamedTuple):
     """A leased range of one arena. Plain data: it travels in control messages."""
 
     arena: str

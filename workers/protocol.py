@@ -6,8 +6,11 @@ microsecond, a tree of dataclasses tens of microseconds (measured; it was the di
 bottleneck). Everything else is pickled as is.
 
 Named after their stage (a `Task` in the engine is a `TaskSpec` inside a `RunBatch` on the
-pipe, and comes back as an `Outcome` inside a `BatchDone`). Every message is a small frozen
-dataclass: names, offsets, dtypes and shapes; array bytes never travel here.
+pipe, and comes back as an `Outcome` inside a `BatchDone`). Every message is small and
+immutable: names, offsets, dtypes and shapes; array bytes never travel here. Those made on
+every call (TaskSpec, RunBatch, Outcome, BatchDone) are NamedTuples, the rest frozen
+dataclasses: a frozen dataclass's `__init__` runs ~8 opcodes a field (`object.__setattr__`
+each), a NamedTuple's one tuple build (docs/latency.md, "Python a call").
 
     supervisor -> worker: RunBatch, OutputGrant, Revoke, Shutdown
     worker -> supervisor: Ready | InitFailed (once), NeedOutput, BatchDone, LogRecord
@@ -106,8 +109,7 @@ class FaultSpec:
 # -- supervisor -> worker ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TaskSpec:
+class TaskSpec(NamedTuple):
     task_id: int
     attempt: int
     seed: int
@@ -118,8 +120,7 @@ class TaskSpec:
     step: int = 0  # a block of rows: session calls of at most this many rows each (0: one call)
 
 
-@dataclass(frozen=True)
-class RunBatch:
+class RunBatch(NamedTuple):
     """Run these tasks, stacked into one session call when `stack` is true.
 
     `out_offset`/`out_nbytes` is an output region leased ahead (-1: none; ask with NeedOutput).
@@ -191,8 +192,7 @@ class NeedOutput:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """One task's result inside a BatchDone: outputs (arrays in the output region) or error."""
 
     task_id: int
@@ -200,8 +200,7 @@ class Outcome:
     error: RemoteError | None = None
 
 
-@dataclass(frozen=True)
-class BatchDone:
+class BatchDone(NamedTuple):
     batch_id: int
     outcomes: tuple[Outcome, ...]
     run_s: float

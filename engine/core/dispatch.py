@@ -14,7 +14,7 @@ here touches a slot, a queue or a process, so the policy is tested on its own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from slabpool.engine.core.admission import MAX_GROUP, MIN_GROUP
 from slabpool.engine.core.config import EngineConfig
@@ -22,8 +22,7 @@ from slabpool.engine.core.config import EngineConfig
 GROUP_TARGET_S = 0.002  # a group of tiny tasks runs about this long
 
 
-@dataclass(frozen=True)
-class TakeLimits:
+class TakeLimits(NamedTuple):
     max_items: int  # items per stacked batch (dynamic batching)
     max_tasks: int  # tasks per group
     min_tasks: int  # fewer than this waiting: send nothing ahead to a busy slot

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from slabpool.engine.core.states import KillReason
 from slabpool.engine.core.task import Batch, Task
@@ -38,8 +38,7 @@ class Ready:
     node: str = ""  # where it runs (a Ray node id; '' locally)
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """One task's end inside a Done: outputs (the caller's own copy: step 8 has happened), an
     error, or `split` (run it again apart from the others, uncharged)."""
 
@@ -50,8 +49,7 @@ class Outcome:
     split: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Done:
+class Done(NamedTuple):
     slot: int
     batch_id: int
     outcomes: tuple[Outcome, ...]  # the tasks that had not ended when the batch ended
@@ -93,8 +91,7 @@ class InHand:
     waiting: bool = False  # it waits for output memory: no task's time runs
 
 
-@dataclass(frozen=True, slots=True)
-class Room:
+class Room(NamedTuple):
     """Output sizes learnt so far, for the dispatch limits (engine.core.dispatch.take_limits)."""
 
     per_task: int = 0
