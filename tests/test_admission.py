@@ -117,6 +117,41 @@ def test_callers_waiting_for_a_place_get_it_in_arrival_order_and_no_newcomer_pas
     assert not q._line
 
 
+def test_small_inputs_do_not_pass_a_large_one_that_waits_for_bytes() -> None:
+    """Places to spare, but the bytes bound (queue_bytes) is reached: a caller with a large
+    input waits; a caller with a smaller input that would fit arrives after it. It waits behind
+    it (the bytes of the callers ahead count as taken), and so is a newcomer refused, with
+    why. Once bytes free up the large one goes, and the smaller one only when its bytes fit
+    beside what is held (a reservation counts, not only what is queued)."""
+    q = TaskQueue(capacity=1000, policy="block", wake=Wakes(), max_bytes=100)
+    q.reserve(None, 60)
+    q.accept(lambda i: Task(i, Future(), None, ("k",), 1, None, 0, None, None, nbytes=60))
+    order: list[str] = []
+
+    def caller(name: str, nbytes: int) -> None:
+        with q._lock:  # (its wait lets go of it; held again at the place: the order recorded is the places')
+            q.reserve(None, nbytes)
+            order.append(name)
+
+    large = threading.Thread(target=caller, args=("large", 80))
+    large.start()
+    _until(lambda: len(q._line) == 1, "the large input in line")
+    small = threading.Thread(target=caller, args=("small", 30))
+    small.start()
+    _until(lambda: len(q._line) == 2, "the small input in line behind it")
+    with pytest.raises(QueueFull, match=re.escape("60 of 100 bytes of inputs waiting, 2 caller(s) ahead")):
+        q.reserve(0, 1)  # a newcomer whose byte would fit: it does not pass either
+    assert order == []
+    assert isinstance(q.take(1, 0.0, 0.0, spread=1, max_tasks=1, min_tasks=1), Batch)  # the 60 bytes leave
+    large.join(30)
+    assert order == ["large"] and q._bytes == 80  # 80 + 30 would be over: the smaller one waits on
+    _until(lambda: len(q._line) == 1, "the smaller input still in line")
+    q.unreserve(80)  # (the large one gave up its reservation)
+    small.join(30)
+    assert order == ["large", "small"]
+    assert not q._line and q._bytes == 30
+
+
 def test_a_caller_that_gives_up_waiting_leaves_the_line_and_the_next_one_gets_the_place() -> None:
     """The first in line times out: it leaves, and the place that frees next goes to the one
     behind it; a closed queue wakes the whole line, one after another, each with the error."""

@@ -76,6 +76,15 @@ class Counters:
         return {c.value: self.__dict__[c] for c in Counter}
 
 
+class _Turn(threading.Condition):
+    """A caller's place in the line (`TaskQueue.reserve`): what it waits on, and the input
+    bytes it brings (the callers behind it count them as taken)."""
+
+    def __init__(self, lock: threading.RLock, nbytes: int) -> None:
+        super().__init__(lock)
+        self.nbytes = nbytes
+
+
 class TaskQueue:
     """The tasks accepted and not yet running, shared by caller threads (accept, reserve,
     discard) and the owner thread (take, push_replays, expire, drain_all), under one lock.
@@ -86,7 +95,7 @@ class TaskQueue:
     def __init__(self, capacity: int, policy: AdmissionPolicy | str, wake: Callable[[], None],
                  max_bytes: int = 0) -> None:
         self.capacity = capacity
-        self.max_bytes = max_bytes  # input bytes queued (0: no limit); one task always fits
+        self.max_bytes = max_bytes  # input bytes queued or reserved (0: no limit); one task always fits
         self._bytes = 0  # input bytes of the queued tasks and of the reservations
         self.policy = AdmissionPolicy.of(policy)
         self._wake = wake
@@ -100,9 +109,11 @@ class TaskQueue:
         self._next_id = 0
         self._closed: BaseException | None = None
         # callers blocked for a place, in arrival order: a caller takes one only if there is
-        # one for each caller ahead of it too, so a newcomer never passes the line (no
-        # barging); freed places wake that many callers, first in line first
-        self._line: deque[threading.Condition] = deque()
+        # one for each caller ahead of it too, and room under max_bytes for their inputs and
+        # its own, so a newcomer never passes the line (no barging) and small inputs never
+        # pass a large one that waits for bytes; freed places wake that many callers, first
+        # in line first
+        self._line: deque[_Turn] = deque()
         self._deadlines = 0  # queued tasks with a deadline: no scan per step when there are none
         # False while every slot is full: a new task can wait for the next completion (the
         # supervisor takes from the queue then), so the caller does not wake the supervisor;
@@ -127,14 +138,17 @@ class TaskQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         superseded: list[Task] = []
         with self._lock:
-            turn: threading.Condition | None = None  # this caller's place in the line
+            turn: _Turn | None = None  # this caller's place in the line
             placed = False
             try:
                 while True:
                     self.raise_if_closed()
-                    over = bool(self.max_bytes) and bool(self._pending) and self._bytes + nbytes > self.max_bytes
+                    line = self._line
+                    ahead = (len(line) if turn is None else line.index(turn)) if line else 0
                     room = self.capacity - self._size()
-                    ahead = len(self._line) if turn is None else self._line.index(turn)
+                    over = bool(self.max_bytes) and (self._bytes > 0 or ahead > 0) and (
+                        self._bytes + nbytes + (sum(t.nbytes for t in itertools.islice(line, ahead)) if ahead else 0)
+                        > self.max_bytes)
                     if room > ahead and not over:  # a place for each caller ahead in line, and one for this
                         break
                     full = over or room <= 0
@@ -145,11 +159,13 @@ class TaskQueue:
                         continue
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        why = f"queue still full ({self.capacity} tasks)" if full else (
-                            f"{ahead} caller(s) still waiting for a place ahead of this one")
+                        why = (f"queue still full ({self.capacity} tasks)" if room <= 0 else
+                               f"{ahead} caller(s) still waiting for a place ahead of this one" if ahead and
+                               room <= ahead else f"queue still full ({self._bytes} of {self.max_bytes} bytes of "
+                               f"inputs waiting, {ahead} caller(s) ahead in line; this one brings {nbytes})")
                         raise QueueFull(f"{why} after {timeout} s")
                     if turn is None:
-                        turn = threading.Condition(self._lock)
+                        turn = _Turn(self._lock, nbytes)
                         self._line.append(turn)
                     turn.wait(left)
                 placed = True
