@@ -50,12 +50,14 @@ def _until(cond: Any, what: str) -> None:
 
 
 def _owner_asleep(eng: Engine) -> None:
-    """The owner thread waits in its selector (it holds no lock): the next call may be lent.
-    `sleep_until` is set just before the wait, while the owner still holds its lock (a call
-    made then is not lent): the lock let go of says the wait has begun."""
-    fast = _fast(eng)
-    _until(lambda: fast.sleep_until > 0 and fast.lock.holder == 0 and not eng._owner.thread.pending,
-           "the owner thread sleeps")
+    """The owner thread waits in its selector (it holds no lock), and nothing is on its way to
+    wake it: the next call may be lent. `sleep_until` is set just before the wait, while the
+    owner still holds its lock (a call made then is not lent): the lock let go of says the
+    wait has begun. A wake-up written but not yet read (the last lent call's dispatch told the
+    owner of a new timer) would have it take its lock again under the next call."""
+    fast, selector = _fast(eng), eng._transport.selector
+    _until(lambda: fast.sleep_until > 0 and fast.lock.holder == 0 and not selector._wake_pending
+           and not eng._owner.thread.pending, "the owner thread sleeps")
 
 
 def _probs(models: Any, x: np.ndarray) -> np.ndarray:
