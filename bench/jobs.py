@@ -276,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every size (0.1: a quick run)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "jobs.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write the rows (default bench/results/jobs.json for a whole run; a "
+                        "run of some workloads or at another scale writes jobs.partial.json beside it, "
+                        "so the committed results stay whole)")
     args = p.parse_args(argv)
+    if args.out is None:
+        whole = args.only.split(",") == list(WORKLOADS) and args.scale == 1.0
+        args.out = REPO / "bench" / "results" / ("jobs.json" if whole else "jobs.partial.json")
     sizes = {"rows": 2_000_000, "infer": 1_000_000, "jsonl": 60_000, "map": 40_000, "table": 200_000}
     results = []
     load0 = os.getloadavg()
