@@ -139,8 +139,13 @@ def test_tiny_jsonl_items_go_in_chunks_a_poison_item_fails_alone(tmp_path: Path,
     assert [(f["index"], f["error"]) for f in failures] == [(100, "SessionRunError"), (450, "PoisonTask")]
     report = json.loads(Path(f"{out}.parts/report.json").read_text())
     assert report["dispatch"] == "chunks"
-    # many items to a task (the poison item's chunk ran again item by item: up to MAX_CHUNK tasks)
-    assert sum(s["tasks_done"] for s in report["slots"]) < n // 2
+    # items shared tasks: fewer tasks than items. Not a tighter bound: map()'s chunks grow with
+    # the measured run time per item (~20 ms of work each, up to MAX_CHUNK items), and the
+    # poison item's chunk runs again item by item, a task per item; so the faster the items, the
+    # larger that chunk and the more tasks its rerun takes (n // 2 held until calls got
+    # cheaper: 303 of 600 in a CI run). Fewer tasks than items holds at any speed: every
+    # other chunk of two items or more saves one
+    assert sum(s["tasks_done"] for s in report["slots"]) < n
     y = np.load(out)
     good = [i for i in range(n) if i not in (100, 450)]
     want = ort_run(models.mlp, {"x": x[good]})  # item by item in the workers: compare loosely
