@@ -59,7 +59,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `transport.SlotTransport` (the backend: start, send, revoke, kill; it reports Ready, Done,
   Died as values). The crash path a-d is `Coordinator._on_died`; `stopping` is the stop path
   (no step stops the others; every Future ends). `admission.TaskQueue` bounds what is accepted
-  and not yet running (callers blocked on it get places in arrival order); pure policy: `dispatch` (steps 3-4: group and batch limits),
+  and not yet running (callers blocked on it get places in arrival order, bytes too: no small input
+  passes a large one waiting under queue_bytes); pure policy: `dispatch` (steps 3-4: group and batch limits),
   `recovery` (step d: who is charged); `reload.ReloadPlan` is a hot model swap, slot by slot.
 - `engine.caller`: the caller's API, the same for both backends (`base.BaseEngine`: steps 1-2,
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one

@@ -37,7 +37,7 @@ class SupervisorGone(Exception):
 
 class Outbox:
     """The worker's one way to send: a lock keeps messages from interleaving across threads.
-    A message is one frame in Connection's format (workers.wire), written with os.write
+    A message is one frame in Connection's format (workers.wire), written with os.writev
     itself: `Connection.send_bytes` is ~100 opcodes of checks and calls a message, on a
     one-row task's path (docs/latency.md)."""
 
@@ -51,24 +51,21 @@ class Outbox:
         data = encode(msg)
         with self._lock:
             try:
-                if len(data) <= _JOIN:
-                    _write_all(self._fd, head(len(data)) + data)
-                else:  # (as Connection does: a large message is not copied to join its head)
-                    _write_all(self._fd, head(len(data)))
-                    _write_all(self._fd, data)
+                _write_frame(self._fd, data)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise SupervisorGone(f"the supervisor closed its end of the pipe ({exc})") from None
 
 
-_JOIN = 16384  # a message up to this size leaves with its head in one write
-
-
-def _write_all(fd: int, buf: bytes) -> None:
-    sent = os.write(fd, buf)
-    if sent < len(buf):  # (larger than the pipe's room: the rest as the supervisor reads)
-        view = memoryview(buf)
-        while sent < len(buf):
-            sent += os.write(fd, view[sent:])
+def _write_frame(fd: int, data: bytes) -> None:
+    """One frame (its head, then `data`) in one writev, as the supervisor sends
+    (engine.local.slot.Slot.send_bytes); the worker's end blocks, so a frame larger than the
+    pipe's room goes on as the supervisor reads."""
+    frame = head(len(data))
+    sent = os.writev(fd, (frame, data))
+    if sent < len(frame) + len(data):
+        view = memoryview(frame + data)[sent:]
+        while view.nbytes:
+            view = view[os.write(fd, view):]
 
 
 class PipeHandler(logging.Handler):

@@ -144,7 +144,7 @@ class TaskQueue:
                 while True:
                     self.raise_if_closed()
                     line = self._line
-                    ahead = (len(line) if turn is None else line.index(turn)) if line else 0
+                    ahead = len(line) if turn is None else line.index(turn)
                     room = self.capacity - self._size()
                     over = bool(self.max_bytes) and (self._bytes > 0 or ahead > 0) and (
                         self._bytes + nbytes + (sum(t.nbytes for t in itertools.islice(line, ahead)) if ahead else 0)
@@ -159,10 +159,13 @@ class TaskQueue:
                         continue
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        why = (f"queue still full ({self.capacity} tasks)" if room <= 0 else
-                               f"{ahead} caller(s) still waiting for a place ahead of this one" if ahead and
-                               room <= ahead else f"queue still full ({self._bytes} of {self.max_bytes} bytes of "
-                               f"inputs waiting, {ahead} caller(s) ahead in line; this one brings {nbytes})")
+                        if room <= 0:
+                            why = f"queue still full ({self.capacity} tasks)"
+                        elif room <= ahead:
+                            why = f"{ahead} caller(s) still waiting for a place ahead of this one"
+                        else:  # (over: the bytes bound)
+                            why = (f"queue still full ({self._bytes} of {self.max_bytes} bytes of inputs waiting, "
+                                   f"{ahead} caller(s) ahead in line; this one brings {nbytes})")
                         raise QueueFull(f"{why} after {timeout} s")
                     if turn is None:
                         turn = _Turn(self._lock, nbytes)
