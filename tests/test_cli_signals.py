@@ -41,11 +41,12 @@ class Held:
                                     stderr=subprocess.PIPE, text=True)
         try:
             wait_until(lambda: (self.folder / "held").exists() or self.cli.poll() is not None, f"held at {stage}")
+            assert self.cli.poll() is None, self.cli.communicate()
+            assert (self.folder / "held").read_text().startswith(stage)
         except BaseException:
-            self.cli.kill()
+            self.cli.kill()  # and reaped: a failed start leaves no process (nor zombie) behind
+            self.cli.communicate()
             raise
-        assert self.cli.poll() is None, self.cli.communicate()
-        assert (self.folder / "held").read_text().startswith(stage)
 
     def release(self) -> None:
         """Open the fifo for writing: the held job's open returns. ENXIO: its reader is not

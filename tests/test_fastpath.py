@@ -49,15 +49,28 @@ def _until(cond: Any, what: str) -> None:
         time.sleep(0.002)
 
 
+# epoll_wait, epoll_pwait, epoll_pwait2 by machine (asm/unistd.h): Python's epoll.poll makes one
+EPOLL_WAITS = {"x86_64": {232, 281, 441}, "aarch64": {22, 441}}[os.uname().machine]
+
+
+def _in_epoll(tid: int) -> bool:
+    """The kernel's word: thread `tid` of this process is blocked in an epoll wait now
+    (/proc/PID/task/TID/syscall: the number of the syscall it sleeps in, or "running")."""
+    head = Path(f"/proc/self/task/{tid}/syscall").read_text().split(maxsplit=1)[0]
+    return head.lstrip("-").isdigit() and int(head) in EPOLL_WAITS
+
+
 def _owner_asleep(eng: Engine) -> None:
-    """The owner thread waits in its selector (it holds no lock), and nothing is on its way to
-    wake it: the next call may be lent. `sleep_until` is set just before the wait, while the
-    owner still holds its lock (a call made then is not lent): the lock let go of says the
-    wait has begun. A wake-up written but not yet read (the last lent call's dispatch told the
-    owner of a new timer) would have it take its lock again under the next call."""
+    """The owner thread sleeps in its selector's epoll wait (it holds no lock), and nothing is
+    on its way to wake it: the next call may be lent. The lock let go of and `sleep_until` set
+    are not enough: both hold, too, from the moment the wait returns (a wake-up read) until the
+    owner takes its lock again, and a call made then races it for the lock (a CI run: not
+    lent). A wake-up written but not yet read (the last lent call's dispatch told the owner of
+    a new timer) would have it take its lock again under the next call."""
     fast, selector = _fast(eng), eng._transport.selector
+    tid = eng._owner.thread._thread.native_id
     _until(lambda: fast.sleep_until > 0 and fast.lock.holder == 0 and not selector._wake_pending
-           and not eng._owner.thread.pending, "the owner thread sleeps")
+           and not eng._owner.thread.pending and _in_epoll(tid), "the owner thread sleeps")
 
 
 def _probs(models: Any, x: np.ndarray) -> np.ndarray:

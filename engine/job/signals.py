@@ -136,5 +136,7 @@ def hold(stage: str, n: int = 1) -> None:
     name, _, count = where.partition(":")
     if name != stage or int(count or 1) != n:
         return
-    Path(folder, "held").write_text(f"{stage}:{n} {os.getpid()}\n")
+    # Written whole, then renamed: a test that sees `held` reads all of it, never an empty file.
+    Path(folder, "held.part").write_text(f"{stage}:{n} {os.getpid()}\n")
+    os.replace(Path(folder, "held.part"), Path(folder, "held"))
     os.close(os.open(Path(folder, "go"), os.O_RDONLY))  # blocks until the test opens it to write
