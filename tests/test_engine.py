@@ -3,13 +3,22 @@ the public API's shapes, and nothing left behind."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
+import gc
 import pickle
+import threading
 
 import numpy as np
 import pytest
 
 from slabpool import Engine, Result
+from slabpool.engine.caller.handles import TaskFuture
+from slabpool.engine.core.fastpath import Lend
+from slabpool.engine.core.task import Batch, Task
+from slabpool.engine.local.staged import Staged
+from slabpool.engine.ray.transport import Staged as RayStaged
 from slabpool.workers.errors import EngineClosed, InputContractError, SessionInitError
 from tests import hooks
 from tests.ray_support.plugin import RAY, build
@@ -97,6 +106,52 @@ def test_map_is_ordered_and_bounded(models, backend, chunk):
     assert ids == list(range(60)) if chunk == 1 else ids == sorted(ids) and accepted == len(set(ids)) <= 60
     for x, r in zip(xs, results):  # byte-identical: chunks run their items one by one
         assert r.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": x})["probs"].tobytes()
+
+
+PER_CALL = (Task, TaskFuture, Lend, Batch, Staged, RayStaged)
+
+
+def test_calls_leave_no_cycle_for_the_collector(models, backend):
+    """Each call's records (its Task and Future, the Lend of a lent slot, the Batch, the staged
+    inputs) are freed as their last reference goes, on every path: a thread's lent call, the
+    owner thread's (submit, several threads at once), an event loop's lent call and a gather,
+    map(). A cycle among them (the Task and its Future pointed at each other, an event loop's
+    Lend held its own watcher) left them all to the cyclic collector: a gen-0 pass every ~25
+    calls, and the gen-2 passes they led to stalled every thread (docs/latency.md)."""
+    x = {"x": _x(1)}
+
+    async def loop_calls() -> None:
+        for _ in range(10):
+            await eng.infer_async(x)
+        await asyncio.gather(*(eng.infer_async(x) for _ in range(10)))
+
+    def threads() -> None:
+        ts = [threading.Thread(target=lambda: [eng.infer(x) for _ in range(10)]) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    with build(backend, models.mlp, workers=2) as eng:
+        want = eng.infer(x)["probs"]
+        asyncio.run(loop_calls())  # (warm: the loop's own first-use objects)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds goes to gc.garbage, kept
+        try:
+            got = [eng.infer(x)["probs"] for _ in range(10)]
+            got += [eng.submit(x).result(60).outputs["probs"] for _ in range(10)]
+            asyncio.run(loop_calls())
+            threads()
+            got += [r.outputs["probs"] for r in eng.map([x] * 10)]
+            gc.collect()
+            left = collections.Counter(type(o).__name__ for o in gc.garbage if type(o) in PER_CALL)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert not left, f"records freed only by the collector: {dict(left)}"
+    assert all(g.tobytes() == want.tobytes() for g in got)
 
 
 def test_describe_reports_dynamic_dims(models):

@@ -259,6 +259,7 @@ def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
             watched[0] = False
             loop.remove_reader(fd)
             os.close(fd)
+            lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
 
     def wake() -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
@@ -269,6 +270,10 @@ def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
     loop.add_reader(fd, look)
     if lend.over:
         look()
+
+
+def _told() -> None:
+    """A lend's wake once its loop has stopped looking: nothing left to tell."""
 
 
 def _cancel_task(eng: _Host, fut: Future[Result]) -> None:

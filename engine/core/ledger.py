@@ -64,6 +64,7 @@ class TaskLedger:
             return False
         if task.attempts:
             return True
+        assert task.future is not None  # (not ended: it still has its Future)
         if task.future.set_running_or_notify_cancel():
             self._unfinished[task.id] = task
             return True
@@ -94,7 +95,9 @@ class TaskLedger:
         if isinstance(error, errors.TaskTimeout):
             self.count(Counter.TIMEOUTS)
         self._release(task)
+        assert task.future is not None  # (not ended before: the check above)
         self._completions.append((task.future, result, error))
+        task.future = None  # its Future is the completion's now (see Task.future)
 
     def count(self, counter: Counter, n: int = 1) -> None:
         """Count now, publish in flush(): one lock per step, before the Futures complete."""
@@ -149,7 +152,7 @@ class TaskLedger:
 
     def pending_futures(self) -> list[Future[Result]]:
         """The Futures of every unfinished task and of every completion not yet flushed."""
-        return [t.future for t in self._unfinished.values()] + [c[0] for c in self._completions]
+        return [t.future for t in self._unfinished.values() if t.future is not None] + [c[0] for c in self._completions]
 
     def abort_in_hand(self, reason: str) -> None:
         """close() ran out of time: every task dispatched and not yet ended ends as cancelled now."""

@@ -52,7 +52,9 @@ class Task:
     transport reads it and releases it once, when the task has ended and no slot reads it."""
 
     id: int
-    future: Future[Result]
+    # None once the ledger has its outcome (finish): the Future's `slabpool_task` points back
+    # here, and the cycle left every call's Task, Future, Lend and Batch to the collector
+    future: Future[Result] | None
     inputs: Any
     shape_key: tuple[Any, ...]  # batches group tasks with equal keys
     rows: int  # rows on axis 0, what a stacked batch counts (1 when not batchable)

@@ -215,7 +215,7 @@ class Engine(BaseEngine):
         if staged.lease is not None:
             self._inputs.release(staged.lease)
             staged.lease = None
-        if error is not None:
+        if error is not None and task.future is not None:
             task.future.set_exception(error)
 
     def _release_shm(self) -> None:

@@ -167,7 +167,7 @@ class RayEngine(BaseEngine):
     def _end_queued(self, task: Task, error: BaseException | None) -> None:
         self._cancel_queued(task)
         task.inputs = None  # the object store may free the inputs now
-        if error is not None:
+        if error is not None and task.future is not None:
             task.future.set_exception(error)
 
     def _after_close(self) -> None:

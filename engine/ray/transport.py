@@ -252,6 +252,7 @@ class RayTransport:
         while a.calls and a.calls[0].fut is not None and (a.dead is None or a.calls[0].fut.exception() is None):
             call = a.calls.popleft()  # (a call that ended before its actor died still counts)
             self._events.append(self._done(slot, call))
+            call.fut = None  # (its done-callback holds the call: no cycle left for the collector)
             if a.calls and a.calls[0].started is None:
                 a.calls[0].started = time.monotonic()
         if a.dead is None or any(c.fut is None for c in a.calls):
