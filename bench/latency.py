@@ -3,8 +3,9 @@
 Every contender serves the same 64->128->10 MLP, one row per call, on `--workers` workers, at
 each concurrency in `--concurrency` (threads for a sync call, asyncio tasks for
 `infer_async`). Each caller calls, waits, and calls again for `--seconds`; every call's latency
-is kept. Printed: p50, p99, p99.9 and calls/s, and each row against ProcessPoolExecutor's at the
-same concurrency (latency: lower is better; calls/s: higher is better).
+is kept. Printed: p50, p99, p99.9 and calls/s, the CPU a call (this process, and its workers),
+the cyclic collector's time a call in this process, and each row against ProcessPoolExecutor's
+at the same concurrency (latency: lower is better; calls/s: higher is better).
 
     floor        two Python processes, one byte each way on a pipe (os.write / os.read)
     in-process   the same session in this process (threads share it: ORT's run is thread-safe)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -60,6 +62,7 @@ class Row:
     p999_us: float
     cpu_us: float = 0.0  # CPU a call: this process (every thread) and its live child processes
     children_us: float = 0.0  # ... of which its child processes (the workers)
+    gc_us: float = 0.0  # the cyclic collector's time a call in this process (gc.callbacks), all generations
 
     @property
     def rate(self) -> float:
@@ -145,12 +148,13 @@ def drive_async(acall: ACall, item: Any, tasks: int, seconds: float) -> tuple[li
     return asyncio.run(main())
 
 
-def summarize(name: str, conc: int, lat: list[int], seconds: float, cpu: tuple[float, float] = (0.0, 0.0)) -> Row:
+def summarize(name: str, conc: int, lat: list[int], seconds: float, cpu: tuple[float, float] = (0.0, 0.0),
+              gc_s: float = 0.0) -> Row:
     a = np.sort(np.asarray(lat, dtype=np.int64)) / 1000.0
     q = np.quantile(a, [0.5, 0.99, 0.999]) if len(a) else [np.nan] * 3
     n = max(len(a), 1)
     return Row(name, conc, len(a), seconds, float(q[0]), float(q[1]), float(q[2]),
-               (cpu[0] + cpu[1]) / n * 1e6, cpu[1] / n * 1e6)
+               (cpu[0] + cpu[1]) / n * 1e6, cpu[1] / n * 1e6, gc_s / n * 1e6)
 
 
 def cpu_now() -> tuple[float, float]:
@@ -168,12 +172,26 @@ def cpu_now() -> tuple[float, float]:
     return time.process_time(), kids
 
 
-def measured(run: Callable[[], tuple[list[int], float]]) -> tuple[list[int], float, tuple[float, float]]:
-    """`run()`'s latencies and seconds, and the CPU it took (see cpu_now; includes warm-up)."""
+def measured(run: Callable[[], tuple[list[int], float]]) -> tuple[list[int], float, tuple[float, float], float]:
+    """`run()`'s latencies and seconds, the CPU it took (see cpu_now; includes warm-up), and
+    the seconds this process spent in the cyclic collector meanwhile (a pass holds the GIL:
+    every thread waits; what a call path's reference cycles cost, docs/latency.md)."""
+    spent, began = [0.0], [0.0]
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - began[0]
+
     own0, kids0 = cpu_now()
-    lat, seconds = run()
+    gc.callbacks.append(collector)
+    try:
+        lat, seconds = run()
+    finally:
+        gc.callbacks.remove(collector)
     own1, kids1 = cpu_now()
-    return lat, seconds, (own1 - own0, kids1 - kids0)
+    return lat, seconds, (own1 - own0, kids1 - kids0), spent[0]
 
 
 # -- the contenders ----------------------------------------------------------------------------
@@ -322,11 +340,11 @@ def _print_row(row: Row, ref: Row | None) -> None:
         vs = (f"  {row.p50_us / ref.p50_us:5.2f}x {row.p99_us / ref.p99_us:5.2f}x "
               f"{row.rate / ref.rate:5.2f}x")
     print(f"{row.contender:<34} {row.concurrency:>4} {row.p50_us:>9.1f} {row.p99_us:>9.1f} {row.p999_us:>9.1f} "
-          f"{row.rate:>10,.0f} {row.cpu_us:>7.0f} {row.children_us:>7.0f}{vs}", flush=True)
+          f"{row.rate:>10,.0f} {row.cpu_us:>7.0f} {row.children_us:>7.0f} {row.gc_us:>6.1f}{vs}", flush=True)
 
 
 def report(rows: list[Row]) -> None:
-    print(f"\n{'contender':<34} conc   p50 us    p99 us  p99.9 us    calls/s  cpu us  kids us   vs "
+    print(f"\n{'contender':<34} conc   p50 us    p99 us  p99.9 us    calls/s  cpu us  kids us  gc us   vs "
           "ProcessPoolExecutor (p50, p99, calls/s)")
     refs = {r.concurrency: r for r in rows if r.contender == "ProcessPoolExecutor"}
     for c in sorted({r.concurrency for r in rows}):
