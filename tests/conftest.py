@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -76,6 +77,17 @@ def nothing_left_behind():
 
 
 _WEIGHT_CACHE: list[Path] = []  # this run's weight cache folder, made at configure
+# the user's own weight cache (workers.weights.default_cache_dir without $SLABPOOL_CACHE_DIR),
+# and what it held when the run began: the run must add nothing there
+_USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slabpool"
+_USER_CACHE_BEFORE: set[str] = set()
+
+
+def _user_cache() -> set[str]:
+    try:
+        return set(os.listdir(_USER_CACHE))
+    except FileNotFoundError:
+        return set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,6 +98,16 @@ def pytest_configure(config: pytest.Config) -> None:
     d = Path(tempfile.mkdtemp(prefix="slabpool-test-weight-cache-"))
     _WEIGHT_CACHE.append(d)
     os.environ["SLABPOOL_CACHE_DIR"] = str(d)
+    _USER_CACHE_BEFORE.update(_user_cache())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Nothing left behind in the user's home either: a run that wrote into the user's weight
+    cache (an engine or a CLI started without this run's $SLABPOOL_CACHE_DIR) fails."""
+    added = sorted(_user_cache() - _USER_CACHE_BEFORE)
+    if added:
+        print(f"\nthe run wrote into the user's weight cache {_USER_CACHE}: {added}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
