@@ -162,18 +162,22 @@ def _task(q: TaskQueue, deadline: float | None = None) -> Task:
 def test_a_task_ends_once_and_its_future_completes_at_the_flush() -> None:
     led = Ledger()
     t = _task(led.queue)
+    fut = t.future
+    assert fut is not None
     led.queue.discard(t)
     led.finish(t, error=TaskTimeout("late", task_id=t.id))
     led.finish(t, error=RuntimeError("twice"))  # ignored: it has ended
-    assert t.state is TaskState.FAILED and not t.future.done()
+    assert t.state is TaskState.FAILED and not fut.done()
+    assert t.future is None  # the task let go of it (the completion holds it): no cycle with it
     led.flush()
-    assert isinstance(t.future.exception(), TaskTimeout)
+    assert isinstance(fut.exception(), TaskTimeout)
     assert (led.queue.counters.failed, led.queue.counters.timeouts) == (1, 1)
 
 
 def test_close_cancel_and_fail_all() -> None:
     led = Ledger()
     queued, held = _task(led.queue), _task(led.queue)
+    futs = queued.future, held.future
     led.queue.discard(held)
     assert led.dispatchable(held)  # sent to a slot
     held.move(TaskState.RUNNING)
@@ -181,8 +185,8 @@ def test_close_cancel_and_fail_all() -> None:
     assert led.closing is Closing.CANCEL and queued.state is TaskState.CANCELLED
     led.fail_all(EngineInternalError("boom"))
     led.flush()
-    assert isinstance(queued.future.exception(), TaskCancelled)
-    assert isinstance(held.future.exception(), EngineInternalError)
+    assert isinstance(futs[0] and futs[0].exception(), TaskCancelled)
+    assert isinstance(futs[1] and futs[1].exception(), EngineInternalError)
 
 
 def test_fail_all_ends_a_dispatched_task_that_no_slot_holds() -> None:
@@ -191,10 +195,11 @@ def test_fail_all_ends_a_dispatched_task_that_no_slot_holds() -> None:
     waits for ever."""
     led = Ledger()
     t = _task(led.queue)
+    fut = t.future
     led.queue.discard(t)
     assert led.dispatchable(t)  # first dispatch
     t.move(TaskState.RUNNING)  # ... and then held by nothing the ledger can see
     led.fail_all(EngineInternalError("boom"))
     led.flush()
-    assert isinstance(t.future.exception(), EngineInternalError)
+    assert isinstance(fut and fut.exception(), EngineInternalError)
     assert not led._unfinished  # nothing kept once it ended
