@@ -175,8 +175,11 @@ def cpu_now() -> tuple[float, float]:
 def measured(run: Callable[[], tuple[list[int], float]]) -> tuple[list[int], float, tuple[float, float], float]:
     """`run()`'s latencies and seconds, the CPU it took (see cpu_now; includes warm-up), and
     the seconds this process spent in the cyclic collector meanwhile (a pass holds the GIL:
-    every thread waits; what a call path's reference cycles cost, docs/latency.md)."""
+    every thread waits; what a call path's reference cycles cost, docs/latency.md). The
+    garbage left by what came before (an engine's start-up, the last cell) is collected first,
+    so that no cell is charged for it."""
     spent, began = [0.0], [0.0]
+    gc.collect()
 
     def collector(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
