@@ -238,11 +238,13 @@ def test_a_full_queue_answers_503_at_once(server, models, tmp_path):
             assert probs.tobytes() == _ref(models, x).tobytes()
 
 
-@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("transport", ["http", "http-large", "grpc"])
 def test_a_client_that_goes_away_cancels_its_queued_request(server, tmp_path, transport):
     """The worker holds two requests; a third waits in the queue; its client goes away (HTTP:
     a raw socket closed once the server has queued the request; gRPC: the call cancelled): the
-    engine counts it cancelled, and it never runs."""
+    engine counts it cancelled, and it never runs. http-large: a body past uvicorn's 64 KiB
+    high-water mark, after which uvicorn stopped reading the socket; was: the client's going
+    away went unseen, and the request ran."""
     release = tmp_path / "release"
     cancelled = metric(server, "slabpool_tasks_cancelled_total")
     accepted = metric(server, "slabpool_tasks_accepted_total")
@@ -309,8 +311,10 @@ def _raw_infer(x: np.ndarray) -> bytes:
 @contextlib.contextmanager
 def _third_request(srv: Server, transport: str) -> Iterator[None]:
     """A request in flight while the block runs, abandoned by its client when the block ends."""
-    if transport == "http":
-        body = json.dumps(_body(_x(52))).encode()
+    if transport.startswith("http"):
+        x = _x(52) if transport == "http" else np.tile(_x(52), (2_000, 1))
+        body = json.dumps(_body(x)).encode()
+        assert (len(body) > 64 * 1024) == (transport == "http-large")
         with socket.create_connection((srv.host, srv.http_port)) as sock:
             sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))

@@ -27,6 +27,14 @@ newest (`self.cycle`, which is a queued pipelined request while an earlier one r
 earlier one, cancelled by its callback and so left unanswered, was taken for an app that forgot
 to answer: an ERROR logged, and a 500 written to the closed transport (a RuntimeError).
 
+A large body: uvicorn stops reading the socket while more than 64 KiB (`HIGH_WATER_LIMIT`)
+of a body waits for the app, and reads again only when the app calls `receive()`, which an app
+that has its whole body never does again. So a client that went away after sending a large
+request was not seen (its FIN waits unread behind the paused socket) until the request had
+run. Once a request is complete and none is pipelined behind it, reading resumes here: there
+is nothing left of it to buffer, and a request that follows is held by uvicorn's own pause
+for pipelined requests.
+
 Bytes the parser refuses end the connection with uvicorn's 400, written as they arrive; here
 after the answers to the requests before them on the connection (RFC 9112: pipelined answers
 in the order of their requests). uvicorn wrote it at once, so a client that pipelined a good
@@ -110,6 +118,11 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
             while cycles and cycles[0].response_complete:  # answered in order: the oldest go first
                 del cycles[0]
             cycles.append(self.cycle)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if not self.cycle.more_body and not self.pipeline and self.refused is None:
+            self.flow.resume_reading()  # (see the module's docstring: a large body's pause)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for cycle in self.unanswered:  # uvicorn marks only self.cycle: the newest
