@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import struct
 import time
@@ -155,9 +156,11 @@ def test_raw_json_request_selects_outputs_and_echoes_the_id(server, models):
     _same(np.asarray(o["data"], np.float32).reshape(3, 8), want["logits"])
 
 
-@pytest.mark.parametrize("binary_out", ["binary_data_output", "per-output", "json"])
+@pytest.mark.parametrize("binary_out", ["binary_data_output", "per-output", "json", "listed-under-binary_data_output"])
 def test_raw_binary_extension_request(server, models, binary_out):
-    """The JSON header, then the raw little-endian tensors; the answer split the same way."""
+    """The JSON header, then the raw little-endian tensors; the answer split the same way. An
+    output listed without binary_data of its own takes the request's binary_data_output (the
+    extension: "unless overridden by binary_data on a specific output"; was: sent as JSON)."""
     feeds = _feeds("multi_io", 4)
     want = ort_run(models.multi_io, feeds)
     inputs = [{"name": n, "shape": list(a.shape), "datatype": {"float32": "FP32", "int64": "INT64"}[a.dtype.name],
@@ -167,6 +170,9 @@ def test_raw_binary_extension_request(server, models, binary_out):
         head["parameters"] = {"binary_data_output": True}
     elif binary_out == "per-output":
         head["outputs"] = [{"name": "total", "parameters": {"binary_data": True}}, {"name": "sum"}]
+    elif binary_out == "listed-under-binary_data_output":
+        head["parameters"] = {"binary_data_output": True}
+        head["outputs"] = [{"name": "total"}, {"name": "sum", "parameters": {"binary_data": False}}]
     header = json.dumps(head).encode()
     body = header + b"".join(a.tobytes() for a in feeds.values())
     r = httpx.post(f"{server.url}/v2/models/multi_io/infer", content=body,
@@ -180,6 +186,8 @@ def test_raw_binary_extension_request(server, models, binary_out):
         return
     meta = json.loads(r.content[: int(n)])
     pos = int(n)
+    binary = {o["name"] for o in meta["outputs"] if "parameters" in o}
+    assert binary == {"binary_data_output": {"sum", "total"}}.get(binary_out, {"total"})
     for o in meta["outputs"]:
         if "parameters" in o:
             size = o["parameters"]["binary_data_size"]
@@ -223,6 +231,12 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
                     ["output 'y'", "binary_data"]),
     "id not a string": ("ints", {"id": None, "inputs": [XI]}, 400, ["id", "None"]),
     "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
+    # one input's elements in two places (was: the binary ones read, "data" dropped)
+    "data and binary": ("ints", {"inputs": [{**XI, "parameters": {"binary_data_size": 16}}]}, 400,
+                        ["'x'", "both", "binary_data_size"]),
+    "binary size not a count": ("ints", {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "INT32",
+                                                     "parameters": {"binary_data_size": "16"}}]}, 400,
+                                ["'x'", "binary_data_size", "integer", "'16'"]),
 }
 
 
@@ -235,6 +249,47 @@ def test_errors_are_the_protocols_error_object(server, case):
     msg = r.json()["error"]
     for w in words:
         assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("path", ["/v2/models/mlp/foo/infer", "/v2/models/mlp/versions/infer",
+                                  "/v2/models/mlp/ready/infer", "/v2/models/mlp/a/b/c/infer", "/v2/models/mlp/x",
+                                  "/v2/health", "/v2/nope", "/metrics/x"])
+def test_a_path_that_is_no_route_is_404(server, path):
+    """Was: anything between a model's name and /infer was ignored (200)."""
+    X1 = {"inputs": [X]}
+    r = httpx.post(f"{server.url}{path}", json=X1) if path.endswith("infer") else httpx.get(f"{server.url}{path}")
+    assert r.status_code == 404, r.text
+    assert "no route" in r.json()["error"]
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("DELETE", "/v2/models/mlp", "GET, HEAD"), ("PUT", "/v2/models/mlp/ready", "GET, HEAD"),
+    ("PATCH", "/v2", "GET, HEAD"), ("POST", "/v2/health/live", "GET, HEAD"), ("POST", "/metrics", "GET, HEAD"),
+    ("GET", "/v2/models/mlp/infer", "POST"), ("PUT", "/v2/repository/index", "POST"),
+    ("GET", "/v2/repository/models/mlp/load", "POST"),
+])
+def test_a_route_asked_with_a_method_it_does_not_take_is_405(server, method, path, allow):
+    """Was: the method was read only for /metrics and inference (DELETE /v2/models/mlp: 200)."""
+    r = httpx.request(method, f"{server.url}{path}")
+    assert r.status_code == 405, r.text
+    assert r.headers["allow"] == allow and method in r.json()["error"]
+    assert httpx.request(method, f"{server.url}/v2/models/nope/ready").status_code in (404, 405)
+    assert httpx.head(f"{server.url}/v2/health/live").status_code == 200
+
+
+def test_a_reload_that_changes_the_signature_is_400_in_the_protocols_words(server, models):
+    """The message says what differs and what to do as a client of the server (was: "pass
+    allow_signature_change=True", an argument of the Python API no protocol client can send)."""
+    before = httpx.get(f"{server.url}/v2/models/ints").json()["versions"]
+    r = httpx.post(f"{server.url}/v2/repository/models/ints/load", json={"parameters": {"path": str(models.mlp)}},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]
+    assert "signature differs" in msg and "old model keeps serving" in msg and "allow_signature_change" not in msg
+    assert httpx.get(f"{server.url}/v2/models/ints").json()["versions"] == before
+    x = _feeds("ints", 2)["x"]
+    body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "INT32", "data": x.ravel().tolist()}]}
+    assert httpx.post(f"{server.url}/v2/models/ints/infer", json=body).status_code == 200
 
 
 @pytest.mark.parametrize("body", [{"parameters": 5}, {"parameters": ["path"]}, {"parameters": {"path": 5}}, [1]])
@@ -549,6 +604,52 @@ def test_grpc_typed_contents_out_of_range_are_refused():
     req.inputs.add(name="x", datatype="INT8", shape=[2]).contents.int_contents.extend([300, 1])
     with pytest.raises(BadRequest, match="out of range for INT8"):
         serve_grpc.decode_request(req, None)
+
+
+@pytest.mark.parametrize("how", ["grpc-raw", "http-binary"])
+def test_bool_bytes_other_than_0_and_1_are_refused(how):
+    """The protocol's BOOL is one byte, 0 or 1 (was: 2 and 255 went to the model as they were,
+    and a Not of them answered true)."""
+    from slabpool.engine.serve import grpc as serve_grpc
+    from slabpool.engine.serve import http as serve_http
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    def decode(raw: bytes) -> Any:
+        if how == "grpc-raw":
+            req = pb.ModelInferRequest(model_name="m", raw_input_contents=[raw])
+            req.inputs.add(name="b", datatype="BOOL", shape=[4])
+            return serve_grpc.decode_request(req, None).inputs["b"]
+        head = json.dumps({"inputs": [{"name": "b", "shape": [4], "datatype": "BOOL",
+                                       "parameters": {"binary_data_size": 4}}]}).encode()
+        return serve_http.decode_request("m", "", head + raw, b"%d" % len(head)).inputs["b"]
+
+    with pytest.raises(BadRequest, match=r"input 'b': .*0 \(false\) or 1 \(true\); element 2 is 255"):
+        decode(bytes([1, 0, 255, 1]))
+    assert decode(bytes([1, 0, 0, 1])).tolist() == [True, False, False, True]
+
+
+def test_grpc_contents_in_two_places_or_the_wrong_field_are_refused():
+    """Was: typed contents beside raw_input_contents, or in a field of another datatype, were
+    dropped without a word (the second: "holds 16 elements, got 0")."""
+    from slabpool.engine.serve import grpc as serve_grpc
+    from slabpool.engine.serve.errors import BadRequest
+    from slabpool.engine.serve.proto import grpc_predict_v2_pb2 as pb
+
+    x = np.arange(4, dtype=np.float32)
+    both = pb.ModelInferRequest(model_name="m", raw_input_contents=[x.tobytes()])
+    both.inputs.add(name="x", datatype="FP32", shape=[4]).contents.fp32_contents.extend(x.tolist())
+    with pytest.raises(BadRequest, match=re.escape("input 'x' has both raw_input_contents and contents.fp32_contents")):
+        serve_grpc.decode_request(both, None)
+    for extra in (True, False):
+        wrong = pb.ModelInferRequest(model_name="m")
+        t = wrong.inputs.add(name="x", datatype="FP32", shape=[4])
+        if extra:
+            t.contents.fp32_contents.extend(x.tolist())
+        t.contents.int_contents.extend([1, 2, 3, 4])
+        with pytest.raises(BadRequest, match=re.escape("FP32 takes its elements in contents.fp32_contents, "
+                                                       "got contents.int_contents")):
+            serve_grpc.decode_request(wrong, None)
 
 
 @pytest.mark.parametrize(("kind", "value"), [("string_param", "soon"), ("int64_param", -5), ("bool_param", True),

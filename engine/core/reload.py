@@ -47,7 +47,15 @@ class Swapper(Protocol):
 
 
 class SignatureChanged(EngineError, ValueError):
-    """The new model's inputs/outputs differ from the old one's (allow_signature_change=False)."""
+    """The new model's inputs/outputs differ from the old one's (allow_signature_change=False).
+    `change` says how, without the advice to the Python caller (a server words its own)."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__(f"{change}; pass allow_signature_change=True to swap anyway")
+        self.change = change
+
+    def __reduce__(self) -> tuple[type[SignatureChanged], tuple[str]]:
+        return type(self), (self.change,)
 
 
 @dataclass(eq=False)
@@ -78,8 +86,7 @@ class ReloadPlan:
             return None
         return SignatureChanged(
             f"the new model's signature differs: inputs {_fmt(new.inputs)} outputs {_fmt(new.outputs)}, "
-            f"was inputs {_fmt(old.inputs)} outputs {_fmt(old.outputs)}; pass allow_signature_change=True "
-            "to swap anyway")
+            f"was inputs {_fmt(old.inputs)} outputs {_fmt(old.outputs)}")
 
     def advance(self, info: SessionInfo) -> bool:
         """The slot being swapped runs the new model: True if it was the last one."""

@@ -128,7 +128,11 @@ class Frontend:
 
         try:
             return str(await served.reload(path))
-        except (SignatureChanged, FileNotFoundError, ValueError) as exc:
+        except SignatureChanged as exc:
+            raise BadRequest(f"reload of {name!r} refused: {exc.change}; a served model keeps its inputs and "
+                             "outputs (its clients are written against them): serve the new one under a name "
+                             "of its own; the old model keeps serving") from None
+        except (FileNotFoundError, ValueError) as exc:
             raise BadRequest(f"reload of {name!r} refused: {exc}; the old model keeps serving") from None
         except SessionInitError as exc:
             raise ServeError(f"reload of {name!r} failed: {exc}; the old model keeps serving") from None

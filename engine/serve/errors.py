@@ -3,6 +3,7 @@
     ServeError(status, message)               raised where the mistake is seen
     ├── BadRequest      400 INVALID_ARGUMENT   the request breaks the protocol or the model's contract
     ├── NotFound        404 NOT_FOUND          no such model (or version, or route)
+    ├── NotAllowed      405                    a route asked with a method it does not take (HTTP only)
     ├── TooLarge        413 RESOURCE_EXHAUSTED the request is larger than --max-request-bytes
     └── Unavailable     503 UNAVAILABLE        the queue is full, or the server is draining
 
@@ -30,6 +31,7 @@ class Status(enum.Enum):
     OK = (200, "OK")
     INVALID_ARGUMENT = (400, "INVALID_ARGUMENT")
     NOT_FOUND = (404, "NOT_FOUND")
+    METHOD_NOT_ALLOWED = (405, "UNIMPLEMENTED")  # (HTTP's alone: a gRPC method has no other verb)
     TOO_LARGE = (413, "RESOURCE_EXHAUSTED")
     INTERNAL = (500, "INTERNAL")
     UNAVAILABLE = (503, "UNAVAILABLE")
@@ -60,6 +62,14 @@ class BadRequest(ServeError):
 
 class NotFound(ServeError):
     status = Status.NOT_FOUND
+
+
+class NotAllowed(ServeError):
+    status = Status.METHOD_NOT_ALLOWED
+
+    def __init__(self, message: str, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow  # the methods the route takes (the Allow header RFC 9110 asks for)
 
 
 class TooLarge(ServeError):

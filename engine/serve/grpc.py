@@ -154,13 +154,21 @@ def decode_request(request: Any, remaining: float | None) -> InferRequest:
         shape = tensors.check_shape(t.name, list(t.shape))
         if t.name in feeds:  # the last would silently win
             raise BadRequest(f"input {t.name!r} is given twice; each input once")
+        given = [f.name for f, _ in t.contents.ListFields()]  # the typed fields that hold elements
         if raw:
+            if given:  # one of the two would be silently dropped
+                raise BadRequest(f"input {t.name!r} has both raw_input_contents and contents.{given[0]}; "
+                                 f"its elements go in one of them")
             feeds[t.name] = tensors.from_buffer(t.name, t.datatype, shape, raw[i])
         else:
             field = _CONTENTS.get(t.datatype)
             if field is None:
                 raise BadRequest(f"input {t.name!r}: datatype {t.datatype!r} has no typed contents field; "
                                  f"expected one of {sorted(_CONTENTS)} (or send raw_input_contents)")
+            other = [f for f in given if f != field]
+            if other:
+                raise BadRequest(f"input {t.name!r}: {t.datatype} takes its elements in contents.{field}, "
+                                 f"got contents.{other[0]}")
             feeds[t.name] = tensors.from_list(t.name, t.datatype, shape, list(getattr(t.contents, field)))
     if not feeds:
         raise BadRequest("the request needs inputs")

@@ -35,7 +35,7 @@ import orjson
 
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
-from slabpool.engine.serve.errors import BadRequest, NotFound, ServeError, Status, TooLarge
+from slabpool.engine.serve.errors import BadRequest, NotAllowed, NotFound, ServeError, Status, TooLarge
 from slabpool.engine.serve.metrics import CONTENT_TYPE
 from slabpool.engine.serve.uvproto import DISCONNECT
 
@@ -68,23 +68,32 @@ class HttpApp:
             await self._infer(scope, receive, send, parts)
             return
         ctype = _JSON
+        extra: tuple[tuple[bytes, bytes], ...] = ()  # headers beyond the two every answer has
         try:
-            if method == "POST" and parts[:2] == ["v2", "repository"]:
+            if parts[:2] == ["v2", "repository"] or (len(parts) >= 4 and parts[:2] == ["v2", "models"]
+                                                    and parts[-1] == "infer"):
+                if method != "POST":
+                    raise NotAllowed(f"{method} /{'/'.join(parts)}: this route takes POST", "POST")
                 status, body = await self._repository(parts[2:], await _body(scope, receive, self.max_request_bytes))
+            elif method not in ("GET", "HEAD"):  # (HEAD: uvicorn sends the head alone)
+                self._route("GET", parts)  # an unknown path is 404 whatever the method
+                raise NotAllowed(f"{method} /{'/'.join(parts)}: this route takes GET (or HEAD)", "GET, HEAD")
             else:
                 status, body, ctype = self._route(method, parts)
+        except NotAllowed as exc:
+            status, body, extra = exc.status, {"error": str(exc)}, ((b"allow", exc.allow.encode()),)
         except ServeError as exc:
             status, body = exc.status, {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a bug in a route answers 500; the connection lives on
             status, body = _internal(exc)
         if status is Status.CANCELLED:
             return
-        await _send(send, status.http, body if isinstance(body, bytes) else orjson.dumps(body), ctype)
+        await _send(send, status.http, body if isinstance(body, bytes) else orjson.dumps(body), ctype, *extra)
 
     def _route(self, method: str, parts: list[str]) -> tuple[Status, Any, bytes]:
-        """Every route but inference and the repository: answered from memory, no body read."""
+        """Every route but inference and the repository (GET): answered from memory, no body read."""
         fe = self.fe
-        if parts == ["metrics"] and method == "GET":
+        if parts == ["metrics"]:
             return Status.OK, fe.metrics.render(), _METRICS
         if parts == ["v2", "health", "live"]:
             return Status.OK, b'{"live":true}', _JSON
@@ -118,9 +127,11 @@ class HttpApp:
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, parts: list[str]) -> None:
         started = time.perf_counter()
-        name, version, _ = _model_path(parts[:-1])
+        name, version, rest = _model_path(parts[:-1])
         fe, request_id = self.fe, ""
         try:
+            if rest:  # v2/models/{m}[/versions/{v}]/infer and nothing between
+                raise NotFound(f"no route POST /{'/'.join(parts)}")
             fe.repo[name].check_version(version)  # 404 before the body is read
             body = await _body(scope, receive, self.max_request_bytes)
             req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
@@ -278,8 +289,14 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
             raise BadRequest(f"input {tname!r} is given twice; each input once")
         size = _params(t.get("parameters"), f"input {tname!r}").get("binary_data_size")
         if size is not None:
-            if type(size) is not int or size < 0 or pos + size > len(blob):
-                raise BadRequest(f"input {tname!r}: binary_data_size {size!r} runs past the {len(blob)} bytes "
+            if "data" in t:  # one of them would be silently dropped
+                raise BadRequest(f"input {tname!r} has both \"data\" and parameters.binary_data_size; "
+                                 f"its elements go in one of them")
+            if type(size) is not int or size < 0:
+                raise BadRequest(f"input {tname!r}: parameters.binary_data_size must be a byte count "
+                                 f"(an integer >= 0), got {size!r}")
+            if pos + size > len(blob):
+                raise BadRequest(f"input {tname!r}: binary_data_size {size} runs past the {len(blob)} bytes "
                                  f"of binary data (at offset {pos})")
             feeds[tname] = tensors.from_buffer(tname, datatype, shape, blob[pos : pos + size])
             pos += size
@@ -292,13 +309,14 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     request_id = head.get("id", "")
     if not isinstance(request_id, str):  # the protocol's id is a string (was: null echoed as "None")
         raise BadRequest(f"\"id\" must be a string, got {request_id!r}")
-    return InferRequest(name, version, request_id, feeds, _outputs(head.get("outputs")),
-                        _flag(params, "binary_data_output", "the request"), timeout_param(params.get("timeout")))
+    binary = _flag(params, "binary_data_output", "the request")
+    return InferRequest(name, version, request_id, feeds, _outputs(head.get("outputs"), binary), binary,
+                        timeout_param(params.get("timeout")))
 
 
-def _flag(params: dict[str, Any], key: str, whose: str) -> bool:
+def _flag(params: dict[str, Any], key: str, whose: str, default: bool = False) -> bool:
     """A true/false parameter (was: any value read as Python truth, so "false" meant true)."""
-    value = params.get(key, False)
+    value = params.get(key, default)
     if not isinstance(value, bool):
         raise BadRequest(f"{whose}: parameters.{key} must be true or false, got {value!r}")
     return value
@@ -322,14 +340,16 @@ def _params(p: Any, whose: str) -> dict[str, Any]:
     return p
 
 
-def _outputs(outputs: Any) -> list[Requested] | None:
+def _outputs(outputs: Any, binary: bool) -> list[Requested] | None:
+    """The outputs asked for, each binary as its own parameters.binary_data says, else as the
+    request's binary_data_output (`binary`) says (the binary extension: "unless overridden")."""
     if outputs is None:
         return None
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 for o in outputs):
         raise BadRequest(f"\"outputs\" must be a list of {{\"name\": ...}} objects, got {str(outputs)[:200]}")
     return [Requested(o["name"], _flag(_params(o.get("parameters"), f"output {o['name']!r}"), "binary_data",
-                                       f"output {o['name']!r}"))
+                                       f"output {o['name']!r}", binary))
             for o in outputs]
 
 
