@@ -231,6 +231,9 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
                     ["output 'y'", "binary_data"]),
     "id not a string": ("ints", {"id": None, "inputs": [XI]}, 400, ["id", "None"]),
     "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
+    # a string tensor for a float input, in the protocol's words (was: "expected a numpy.ndarray of <f4, got list")
+    "BYTES as FP32": ("mlp", {"inputs": [{**X, "datatype": "BYTES", "data": ["a"] * 16}]}, 400,
+                      ["'x'", "takes FP32, got BYTES"]),
     # one input's elements in two places (was: the binary ones read, "data" dropped)
     "data and binary": ("ints", {"inputs": [{**XI, "parameters": {"binary_data_size": 16}}]}, 400,
                         ["'x'", "both", "binary_data_size"]),
@@ -585,6 +588,18 @@ def test_data_that_is_not_of_its_datatype_is_refused_not_cast(datatype, data):
 
     with pytest.raises(BadRequest, match=f"input 'x': .*{datatype}|input 'x': .*data"):
         tensors.from_list("x", datatype, (2,), data)
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**30])
+def test_an_integer_past_64_bits_in_json_is_out_of_range_not_a_float(value):
+    """orjson reads an integer past 64 bits as a float: the message says which it was (was:
+    "must be integers; element 0 is 1.8e+19 (float)")."""
+    from slabpool.engine.serve import http as serve_http
+    from slabpool.engine.serve.errors import BadRequest
+
+    body = b'{"inputs":[{"name":"x","shape":[2],"datatype":"UINT64","data":[%d,1]}]}' % value
+    with pytest.raises(BadRequest, match=r"input 'x': element 0 .* is out of range for UINT64 .*past 64 bits"):
+        serve_http.decode_request("m", "", body, None)
 
 
 def test_nan_and_infinity_given_are_kept_not_refused():

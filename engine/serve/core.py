@@ -165,7 +165,7 @@ class Frontend:
             why = str(exc) or f"the request's timeout ({(req.timeout or 0) * 1e6:.0f} us) passed"
             raise ServeError(why, Status.DEADLINE_EXCEEDED) from None
         except Exception as exc:  # noqa: BLE001 - any failure of one request is its answer, not the server's
-            raise from_engine(exc) from None
+            raise _in_protocol_words(served, req, from_engine(exc)) from None
         finally:
             self.inflight -= 1
             if self._idle is not None and not self.inflight:
@@ -198,6 +198,20 @@ class Frontend:
                 "ts": round(time.time(), 6), "transport": transport, "model": model, "code": code,
                 "ms": round(seconds * 1e3, 3), "id": request_id,
             }).decode())
+
+
+def _in_protocol_words(served: Served, req: InferRequest, err: ServeError) -> ServeError:
+    """The engine's contract error for a BYTES tensor (a list of strings, the engine's view) sent
+    to a model input of another datatype, said as the request said it (was: "expected a
+    numpy.ndarray of <f4, got list"). With a preprocess the request's inputs are the hook's."""
+    if err.status is not Status.INVALID_ARGUMENT or served.engine.config.preprocess is not None:
+        return err
+    wanted = {t["name"]: t["datatype"] for t in served.metadata()["inputs"]}  # (the error path only)
+    for name, value in req.inputs.items():
+        want = wanted.get(name)
+        if isinstance(value, list) and want is not None and want != tensors.BYTES:
+            return BadRequest(f"input {name!r}: the model takes {want}, got BYTES; nothing is cast silently")
+    return err
 
 
 def timeout_param(us: Any) -> float | None:

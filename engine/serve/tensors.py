@@ -130,6 +130,9 @@ def _check_elements(name: str, datatype: str, dt: np.dtype[Any], flat: list[Any]
     allowed = _ELEMENT_TYPES[dt.kind]
     for i, v in enumerate(flat):
         if type(v) not in allowed:
+            if dt.kind in "iu" and type(v) is float and v.is_integer() and abs(v) >= 2**63:
+                raise BadRequest(f"input {name!r}: element {i} ({v:.0f}) is out of range for {datatype} "
+                                 "(an integer past 64 bits, which JSON parsers read as a float)")
             what = {"b": "true or false", "i": "integers", "u": "integers", "f": "numbers"}[dt.kind]
             raise BadRequest(f"input {name!r}: {datatype} data must be {what}; element {i} is {v!r} "
                              f"({type(v).__name__}); nothing is cast silently")
