@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -590,6 +591,114 @@ def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_p
     assert out[0]["probs"].shape == (1, 8) and again.shape == (1, 8)
     assert lent_again == 1
     assert not (tmp_path / "started-child").exists()
+
+
+# -- Ctrl-C on the main thread (engine.core.interrupts) ---------------------------------------------
+
+STRETCHES = ["the caller's dispatch", "the lender's step", "between accept and wait"]
+
+
+@pytest.mark.parametrize("where", STRETCHES)
+def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_engine(models, where, monkeypatch):
+    """SIGINT on the main thread while, lent a slot, it does the owner's work: in its own
+    dispatch (the RunBatch about to be written), in the step that reads the worker's answer,
+    or between the accept and its wait (signal.raise_signal there: the handler runs at once).
+    infer() raises KeyboardInterrupt once that stretch is over; the task ends once (completed,
+    its result dropped), no input lease is left, the engine serves on and lends again. Was:
+    EngineInternalError ("a caller acting as the engine's owner was interrupted") for every
+    later call, and the input lease freed twice (the supervisor thread failed on it)."""
+    assert threading.current_thread() is threading.main_thread()  # (only it runs signal handlers)
+    fired: list[str] = []
+
+    def ctrl_c() -> None:
+        if not fired:
+            fired.append(where)
+            signal.raise_signal(signal.SIGINT)
+
+    with Engine(models.mlp, workers=1) as eng:
+        want = eng.infer(X)["probs"]
+        fast = _fast(eng)
+        if where == "the caller's dispatch":
+            send = fast.co.dispatcher.before_send
+            monkeypatch.setattr(fast.co.dispatcher, "before_send", lambda slot, b: (ctrl_c(), send(slot, b)))
+        elif where == "the lender's step":
+            read = fast.transport.read_lent
+            monkeypatch.setattr(fast.transport, "read_lent", lambda slot: (ctrl_c(), read(slot))[1])
+        else:
+            accept = fast.accept
+            monkeypatch.setattr(fast, "accept", lambda *a: (accept(*a), ctrl_c())[0])
+        _owner_asleep(eng)
+        before = fast.lends
+        with pytest.raises(KeyboardInterrupt):
+            eng.infer(X)
+        assert fired and fast.lends == before + 1
+        monkeypatch.undo()
+        _until(lambda: eng.stats().completed == 2, "the interrupted task to end")
+        _owner_asleep(eng)
+        after = [eng.infer(X)["probs"] for _ in range(3)]
+        lent_after = fast.lends - before - 1
+        st = eng.stats()
+        assert eng.state.name == "ACCEPTING" and not fast.lent
+    assert all(a.tobytes() == want.tobytes() for a in after) and lent_after >= 1
+    assert (st.accepted, st.completed, st.failed, st.cancelled, st.restarts) == (5, 5, 0, 0, 0)
+    assert st.shm_inputs_used == 0
+
+
+def test_a_ctrl_c_while_the_lender_polls_comes_at_once_and_the_owner_reads_the_answer(models, tmp_path):
+    """SIGINT while the main thread polls its lent slot (the task held in its preprocess): the
+    KeyboardInterrupt comes at once, the gate still closed; the slot goes back to the owner
+    thread, which reads the answer when it comes; the engine serves on."""
+    assert threading.current_thread() is threading.main_thread()
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+        eng.infer(_gated(tmp_path, "warm", False))
+        _owner_asleep(eng)
+
+        def interrupt_once_started() -> None:
+            _until(lambda: (tmp_path / "started-a").exists(), "the gated task started")
+            os.kill(os.getpid(), signal.SIGINT)
+
+        t = threading.Thread(target=interrupt_once_started)
+        t.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                eng.infer(_gated(tmp_path, "a", True))
+        finally:
+            t.join(60)
+        assert not (tmp_path / "open").exists() and not _fast(eng).lent  # given back, before its answer
+        (tmp_path / "open").touch()
+        _until(lambda: eng.stats().completed == 2, "the owner thread to read the answer")
+        after = eng.infer(_gated(tmp_path, "b", False))["probs"]
+        st = eng.stats()
+    assert after.tobytes() == _probs(models, X).tobytes()
+    assert (st.accepted, st.completed, st.failed, st.shm_inputs_used) == (3, 3, 0, 0)
+
+
+def test_a_sigint_handler_of_the_users_own_is_left_alone(monkeypatch):
+    """The engine's handler goes in only over Python's default: a handler of the user's stays."""
+    from slabpool.engine.core import interrupts
+
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    old = signal.signal(signal.SIGINT, mine)
+    monkeypatch.setattr(interrupts, "_armed", False)
+    try:
+        interrupts.enter()
+        interrupts.leave()
+        assert signal.getsignal(signal.SIGINT) is mine
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        monkeypatch.setattr(interrupts, "_armed", False)
+        interrupts.enter()
+        try:
+            assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+            signal.raise_signal(signal.SIGINT)  # deferred: raised at the stretch's end
+        finally:
+            with pytest.raises(KeyboardInterrupt):
+                interrupts.leave()
+        with pytest.raises(KeyboardInterrupt):  # outside a stretch: at once, as the default
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def test_the_ray_transport_lends_no_slot():

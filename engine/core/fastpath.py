@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
+from slabpool.engine.core import interrupts
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
@@ -312,14 +313,20 @@ class FastPath:
 
     # -- 8-9 on the lender's thread ----------------------------------------------------------------
 
-    def wait(self, lend: Lend, wake_fd: int) -> None:
-        """A thread's wait on its lend: poll the pipe and the thread's eventfd (`wake_fd`),
-        handle what comes under the lock; return once the lend is over (the Future is then
-        complete, or the owner thread has the task)."""
-        poller = select.poll()
-        poller.register(lend.fd, select.POLLIN)
-        poller.register(wake_fd, select.POLLIN)
+    def wait(self, lend: Lend) -> None:
+        """A thread's wait on its lend: poll the pipe and the thread's eventfd, handle what
+        comes under the lock; return once the lend is over (the Future is then complete, or
+        the owner thread has the task). It ends the Ctrl-C stretch the accept began
+        (engine.core.interrupts): a KeyboardInterrupt comes at once while it polls, is
+        deferred while it holds the lock, and gives the lend back to the owner thread."""
         try:
+            interrupts.leave()
+            waker = thread_wake()
+            lend.wake = waker.wake
+            wake_fd = waker.fd
+            poller = select.poll()
+            poller.register(lend.fd, select.POLLIN)
+            poller.register(wake_fd, select.POLLIN)
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got
@@ -328,14 +335,29 @@ class FastPath:
                         os.eventfd_read(wake_fd)
                     except BlockingIOError:
                         pass  # (read by another poll of this thread's: nothing pending)
-                self.lock.own()
-                self._step_and_let_go(lend, readable)
+                interrupts.enter()
+                try:
+                    self.lock.own()
+                    self._step_and_let_go(lend, readable)
+                finally:
+                    interrupts.leave()
         finally:
             if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
-                with self.lock.owning():
-                    self.give_back(lend)
-                    self.co.wake()
+                self.forsake_lend(lend)
+            else:
+                os.close(lend.fd)
+
+    def forsake_lend(self, lend: Lend) -> None:
+        """Its lender will not wait on it (interrupted): the slot goes back to the owner
+        thread, which reads the answer; the lender's dup of the pipe is closed."""
+        interrupts.enter()
+        try:
+            with self.lock.owning():
+                self.give_back(lend)
+                self.co.wake()
+        finally:
             os.close(lend.fd)
+            interrupts.leave()
 
     def try_step(self, lend: Lend) -> None:
         """An event loop's look at its lend: `step` if the lock is free now, else the lend goes

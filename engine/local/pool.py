@@ -16,10 +16,11 @@ from typing import Any
 from slabpool.engine.caller.base import BaseEngine
 from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
+from slabpool.engine.core import interrupts
 from slabpool.engine.core.admission import TaskQueue, superseded_error
 from slabpool.engine.core.config import AdmissionPolicy, EngineConfig
 from slabpool.engine.core.coordinator import Coordinator
-from slabpool.engine.core.fastpath import Lender, thread_wake
+from slabpool.engine.core.fastpath import Lender
 from slabpool.engine.core.metrics import Metrics
 from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState
@@ -158,6 +159,7 @@ class Engine(BaseEngine):
             t0 = time.perf_counter()
             packed = packing.write(skeleton, arrays, lease.offset if lease else 0, self._inputs.array, offsets)
             copy_s = time.perf_counter() - t0
+            interrupts.enter()  # from here until the lend's wait a Ctrl-C waits (engine.core.interrupts)
         except BaseException:
             if lease is not None:
                 self._inputs.release(lease)
@@ -173,14 +175,27 @@ class Engine(BaseEngine):
             fut.slabpool_task = task  # before it can run: a caller's own dispatch (core.fastpath) runs
             return task  # it before accept() returns, and cancel(fut) looks the task up here
 
+        who = getattr(self._lending, "who", Lender.NONE)
         try:  # steps 3-4 on this thread when it waits on the task and the engine is idle
-            _, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make),
-                                                   getattr(self._lending, "who", Lender.NONE))
+            _, fut.lend = self._sup.fast.accept(functools.partial(self._queue.accept, make), who)
         except BaseException:
-            if lease is not None:
-                self._inputs.release(lease)
+            if lease is not None and getattr(fut, "slabpool_task", None) is None:  # never accepted
+                self._inputs.release(lease)  # (accepted, its batch's end frees it: once)
+            interrupts.leave_quietly()
             raise
-        return fut
+        if fut.lend is None or who is not Lender.THREAD:
+            self._leave_stretch(fut)
+        return fut  # a thread's lend: its wait ends the stretch (FastPath.wait)
+
+    def _leave_stretch(self, fut: TaskFuture) -> None:
+        """The end of the stretch `_enqueue` began: a Ctrl-C deferred in it is raised here, and
+        a lend made meanwhile goes back to the owner thread (nobody will wait on it)."""
+        try:
+            interrupts.leave()
+        except KeyboardInterrupt:
+            if fut.lend is not None:
+                self._sup.fast.forsake_lend(fut.lend)
+            raise
 
     def _call(self, inputs: Any, kw: dict[str, Any]) -> Any:
         return self._lent_call(functools.partial(self.submit, inputs, **kw))
@@ -192,9 +207,7 @@ class Engine(BaseEngine):
         fut = self._lending_submit(submit, Lender.THREAD)
         lend = getattr(fut, "lend", None)
         if lend is not None:
-            waker = thread_wake()
-            lend.wake = waker.wake
-            self._sup.fast.wait(lend, waker.fd)
+            self._sup.fast.wait(lend)  # (it ends the stretch _enqueue began)
         return fut.result().outputs
 
     def _lending_submit(self, submit: Callable[[], Future[Result]], who: Lender) -> Future[Result]:
