@@ -17,7 +17,7 @@ import numpy as np
 from slabpool import Engine, EngineClosed
 
 
-def child(eng: Engine, how: str, model: str, fut: Any) -> None:
+def child(eng: Engine, how: str, model: str, fut: Any, queued: Any) -> None:
     if how == "exit":
         return  # falls off the end of the script
     if how == "sys.exit":
@@ -36,6 +36,8 @@ def child(eng: Engine, how: str, model: str, fut: Any) -> None:
             except EngineClosed as exc:
                 print(f"child: EngineClosed: {exc}", flush=True)
         print(f"child: cancel -> {fut.cancel()}", flush=True)
+    elif how == "cancel_queued":  # the parent's queue, memory and their locks are the parent's
+        print(f"child: queued cancel -> {queued.cancel()} {eng.cancel(queued)} {queued.cancelled()}", flush=True)
     elif how == "drop":
         del eng
         gc.collect()
@@ -45,12 +47,14 @@ def child(eng: Engine, how: str, model: str, fut: Any) -> None:
             print(f"child: own engine {sorted(out)}", flush=True)
 
 
-def parent(eng: Engine, pid: int, fut: Any, gate: Path, pids: list[int]) -> None:
+def parent(eng: Engine, pid: int, fut: Any, queued: Any, gate: Path, pids: list[int]) -> None:
     _, status = os.waitpid(pid, 0)
     lock = Path(f"/dev/shm/slabpool-{eng._instance}.lock")
     lock_kept = lock.exists() if eng.config.shm_backend == "posix" else True
     gate.touch()  # the task in flight may end now
     first = fut.result(timeout=60)
+    if queued is not None:
+        print(f"parent: queued {sorted(queued.result(timeout=60).outputs)}", flush=True)
     later = [eng.infer({"x": np.full((1, 16), k, np.float32), "gate": ""}) for k in range(4)]
     st = eng.stats()
     eng.close()
@@ -70,8 +74,9 @@ if __name__ == "__main__":
     deadline = time.monotonic() + 60  # only a deadlock reaches it
     while not log.exists() and time.monotonic() < deadline:
         time.sleep(0.005)  # until the task is in a worker's hands
+    queued = eng.submit({"x": np.ones((1, 16), np.float32), "gate": ""}) if how == "cancel_queued" else None
     pid = os.fork()
     if pid == 0:
-        child(eng, how, model, fut)
+        child(eng, how, model, fut, queued)
     else:
-        parent(eng, pid, fut, gate, pids)
+        parent(eng, pid, fut, queued, gate, pids)

@@ -15,7 +15,8 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("fork_script.py")
 CASES = [  # (what the child does, start method, shm backend)
-    *[(how, "forkserver", "memfd") for how in ("exit", "sys.exit", "raise", "close", "submit", "drop", "new_engine")],
+    *[(how, "forkserver", "memfd") for how in ("exit", "sys.exit", "raise", "close", "submit", "cancel_queued", "drop",
+                                                "new_engine")],
     *[(how, "spawn", "memfd") for how in ("exit", "close", "new_engine")],
     ("close", "forkserver", "posix"),  # the child never unlinks the parent's instance lock
 ]
@@ -42,5 +43,7 @@ def test_a_forked_child_never_touches_the_parents_workers(models, tmp_path, how,
         said = [ln for ln in stdout.splitlines() if ln.startswith("child: EngineClosed")]
         assert len(said) == 3 and all("inherited it through fork()" in ln for ln in said), stdout
         assert "child: cancel -> False" in stdout
+    if how == "cancel_queued":  # was: True, and the child's copies of the queue and memory were touched
+        assert "child: queued cancel -> False False False" in stdout and "parent: queued ['logits', 'probs']" in stdout
     if how == "new_engine":
         assert "child: own engine ['logits', 'probs']" in stdout

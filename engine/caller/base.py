@@ -392,7 +392,10 @@ class BaseEngine:
     def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
         """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
         with TaskCancelled now; its buffers are freed once the run really ends); with
-        `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay."""
+        `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay.
+        In a process that got the engine through os.fork: False, and nothing is touched."""
+        if self._inherited:
+            return False
         if future.cancel():
             return True
         task: Task | None = getattr(future, "slabpool_task", None)

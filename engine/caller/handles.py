@@ -63,9 +63,11 @@ class TaskFuture(Future[Result]):
         self._engine = engine
 
     def cancel(self) -> bool:
+        eng = self._engine()
+        if eng is not None and eng._inherited:  # a forked child's copy of a parent's task: the
+            return False  # parent's to cancel (its queue and memory are the parent's, as are their locks)
         if not super().cancel():
             return False
-        eng = self._engine()
         if eng is not None:  # else the engine was collected, and its shutdown ended the task
             eng._on_cancelled(self)
         return True
