@@ -514,6 +514,53 @@ def test_a_loop_lend_goes_back_to_the_owner_when_work_queues_behind_it(models, t
     assert st.completed == st.accepted and (st.failed, st.cancelled) == (0, 0)
 
 
+def test_a_loop_closed_with_a_lent_call_pending_leaves_no_descriptor(models, tmp_path, monkeypatch):
+    """An event loop is lent the slot, then closed with the call pending (never run again):
+    the owner takes the slot back (RECLAIM_S), reads the answer, and the lend's dup of the pipe
+    is closed (was: left open for the life of the process); the engine serves on."""
+    monkeypatch.setattr(fastpath, "RECLAIM_S", 0.2)
+    with Engine(models.mlp, workers=1, preprocess=GATED) as eng:
+        for attempt in range(20):  # (on a loaded machine the owner thread may wake meanwhile)
+            gate = tmp_path / f"try{attempt}"
+            gate.mkdir()
+            loop = asyncio.new_event_loop()
+            for tag in ("w1", "w2"):  # two idle accepts in a row: the loop calls one at a time
+                loop.run_until_complete(eng.infer_async(_gated(gate, tag, False)))
+            _owner_asleep(eng)
+            before = _fast(eng).lends
+            call = loop.create_task(eng.infer_async(_gated(gate, "a", True)))
+
+            async def started() -> None:
+                while not (gate / "started-a").exists():
+                    await asyncio.sleep(0.002)
+
+            loop.run_until_complete(started())
+            lent = list(_fast(eng).lent.values())
+            if _fast(eng).lends == before + 1 and lent:
+                break
+            (gate / "open").touch()
+            loop.run_until_complete(call)
+            loop.close()
+        else:
+            raise AssertionError("no call was lent to the loop in 20 tries")
+        (lend,) = lent
+        fd, inode = lend.fd, os.fstat(lend.fd).st_ino
+        call.cancel()  # (the coroutine is never run again: quiet its "destroyed but pending")
+        loop.close()
+        (gate / "open").touch()
+        _until(lambda: lend.task.state.is_terminal and not _fast(eng).lent, "the owner to take the lend back")
+        _until(lambda: not _open_as(fd, inode), "the lend's descriptor to be closed")
+        after = eng.infer(_gated(gate, "b", False))["probs"]
+    assert after.tobytes() == _probs(models, X).tobytes()
+
+
+def _open_as(fd: int, inode: int) -> bool:
+    try:
+        return os.fstat(fd).st_ino == inode
+    except OSError:
+        return False
+
+
 def test_a_loop_with_calls_in_flight_is_lent_a_slot_again_after_two_calls_alone(models, tmp_path):
     """A loop's first call (no call of its before), and its first after a wave of calls at
     once, are not lent: only a second idle accept in a row says the loop calls one at a time

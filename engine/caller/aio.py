@@ -262,8 +262,13 @@ def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
             lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
 
     def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+        try:
             loop.call_soon_threadsafe(look)
+        except RuntimeError:  # the loop is closed: it will never look; its dup of the pipe goes here
+            if watched[0]:  # (the owner has given the slot back: this is its end of the lend)
+                watched[0] = False
+                os.close(fd)
+            lend.wake = _told
 
     lend.loop_lend(time.monotonic())
     lend.wake = wake
