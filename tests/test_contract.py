@@ -380,3 +380,54 @@ def test_queued_input_bytes_are_bounded_too(models, tmp_path, backend):
         big = eng.submit(gate.item(4, pad=np.zeros(1 << 20)))  # 8 MiB alone in the queue: fits
         assert big.result(timeout=30).attempts == 1
         balanced(eng)
+
+
+# -- inputs whose axis 0 the model names apart (ONNX dim_params) ------------------------------------
+
+LENGTHS = [  # (a's axis-0 name, b's): apart, or one batch axis (the same name, or names an exporter made up)
+    ("N", "M", False), ("N", "N", True), ("unk__3", "unk__7", True), ("a_dynamic_axes_1", "b_dynamic_axes_1", True),
+]
+
+
+@pytest.mark.parametrize(("first", "second", "batch"), LENGTHS, ids=[f"{a}-{b}" for a, b, _ in LENGTHS])
+def test_inputs_that_name_axis_0_apart_take_sizes_apart(tmp_path, first, second, batch):
+    """a[N] and b[M] may differ, as onnxruntime runs them (was: refused, "expected 2 items on
+    axis 0 like the other inputs, got 3"); such a model is not batchable (its items do not
+    stack), and with batching on its calls run one by one, each right. The same name, or
+    names an exporter made up per input (tf2onnx's unk__N, torch's {input}_dynamic_axes_N),
+    stay one batch axis, checked at the door."""
+    from tests.models import onnx_models
+    from tests.reference import ort_run
+
+    path = onnx_models.two_lengths(tmp_path / "m.onnx", first, second)
+    a, b = np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((3, 4), np.float32)
+    with Engine(path, workers=1, max_batch_size=4) as eng:
+        assert eng.describe().batchable is batch
+        if batch:
+            with pytest.raises(InputContractError, match=r"input 'b': expected 2 items on axis 0 .*input 'a'.*got 3"):
+                eng.submit({"a": a, "b": b})
+            feeds = [{"a": a, "b": b[:2] + k} for k in range(6)]
+        else:
+            feeds = [{"a": a[: 1 + k % 2], "b": b[: 1 + k % 3] + k} for k in range(6)]
+        futs = [eng.submit(f) for f in feeds]
+        got = [f.result(timeout=60).outputs["y"] for f in futs]
+        st = eng.stats()
+    for f, y in zip(feeds, got, strict=True):
+        assert y.tobytes() == ort_run(path, f)["y"].tobytes()
+    assert (st.accepted, st.completed, st.failed) == (6, 6, 0)
+
+
+def test_a_size_is_checked_against_the_inputs_that_name_the_same_dim():
+    """Among named dims, each input's axis 0 is checked against the first input of the same
+    name, and the message names both; an unnamed one is left to the model."""
+    from slabpool.workers import contract
+    from slabpool.workers.protocol import TensorSpec
+
+    specs = [TensorSpec("a", "<f4", (None,), "N"), TensorSpec("b", "<f4", (None,), "M"),
+             TensorSpec("c", "<f4", (None,), "N"), TensorSpec("d", "<f4", (None,))]
+    arr = {n: np.zeros(k, np.float32) for n, k in (("a", 2), ("b", 3), ("c", 2), ("d", 5))}
+    assert not contract.batchable(specs)
+    contract.check(arr, specs)
+    with pytest.raises(InputContractError, match=r"input 'c': expected 2 items on axis 0 .*input 'a', both 'N'.*got 4"):
+        contract.check({**arr, "c": np.zeros(4, np.float32)}, specs)
+    assert TensorSpec("a", "<f4", (None,), "N") == TensorSpec("a", "<f4", (None,))  # (not the signature)

@@ -64,18 +64,32 @@ def check(feeds: Mapping[str, Any], specs: Sequence[TensorSpec]) -> dict[str, np
             f"{sorted(map(str, feeds))}" + (f"; missing {missing}" if missing else "")
             + (f"; unknown {extra}" if extra else "")
         )
-    batch: int | None = None
+    together = len(_named(specs)) <= 1  # one batch axis: every dynamic axis 0 takes one size
+    sizes: dict[str, tuple[str, int]] = {}  # the axis-0 dim -> the first input of it, its size
     for spec in specs:
         arr = feeds[spec.name]
         check_one(spec, arr)
-        if spec.shape and spec.shape[0] is None:
-            if batch is not None and arr.shape[0] != batch:
+        if spec.shape and spec.shape[0] is None and (together or spec.dim0):
+            dim = "" if together else spec.dim0
+            first = sizes.setdefault(dim, (spec.name, arr.shape[0]))
+            if arr.shape[0] != first[1]:
                 raise InputContractError(
-                    f"input {spec.name!r}: expected {batch} items on axis 0 like the other "
-                    f"inputs, got {arr.shape[0]}"
+                    f"input {spec.name!r}: expected {first[1]} items on axis 0 like the other "
+                    f"inputs (input {first[0]!r}{f', both {dim!r}' if dim else ''}), got {arr.shape[0]}"
                 )
-            batch = arr.shape[0]
     return dict(feeds)
+
+
+def batchable(specs: Sequence[TensorSpec]) -> bool:
+    """Every input's axis 0 is one dynamic dim, the batch: items stack on it (and rows split
+    on it). Not when two inputs name different dims there (a[N], b[M]: sizes that may
+    differ, as ONNX reads different dim_params); then each size is checked only against the
+    inputs that name the same dim."""
+    return bool(specs) and all(s.shape and s.shape[0] is None for s in specs) and len(_named(specs)) <= 1
+
+
+def _named(specs: Sequence[TensorSpec]) -> set[str]:
+    return {s.dim0 for s in specs if s.dim0 and s.shape and s.shape[0] is None}
 
 
 def check_one(spec: TensorSpec, arr: Any) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from slabpool.shm.mapping import Mapping
-from slabpool.workers import context, faults, packing
+from slabpool.workers import context, contract, faults, packing
 from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
 from slabpool.workers.pipeline import (
@@ -279,7 +279,7 @@ class Worker:
         they cannot be stacked or the stacked run fails (then each runs alone)."""
         assert self.session is not None
         specs = self.session.info.inputs
-        if not all(s.shape and s.shape[0] is None for s in specs):
+        if not contract.batchable(specs):
             return None
         first = feeds[0]
         if any(f[s.name].shape[1:] != first[s.name].shape[1:] for f in feeds for s in specs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -194,7 +195,14 @@ def _spec(arg: Any, kind: str) -> TensorSpec:
     if dtype is None:
         raise TypeError(_unsupported(arg, kind))
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
-    return TensorSpec(arg.name, np.dtype(dtype).str, shape)
+    first = arg.shape[0] if arg.shape else None
+    dim0 = first if isinstance(first, str) and not _MADE_UP.fullmatch(first) else ""
+    return TensorSpec(arg.name, np.dtype(dtype).str, shape, dim0)
+
+
+# dim names an exporter makes up per input, not the model's own: tf2onnx's unk__N, and
+# torch.onnx.export's for dynamic_axes given as a list ({input}_dynamic_axes_{k})
+_MADE_UP = re.compile(r"unk__\d+|.+_dynamic_axes_\d+")
 
 
 def _unsupported(arg: Any, kind: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 from slabpool.workers.errors import ErrorKind, TaskDataError
@@ -74,11 +74,15 @@ class Rows(NamedTuple):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One model input or output: dtype is a numpy dtype string, None marks a dynamic dim."""
+    """One model input or output: dtype is a numpy dtype string, None marks a dynamic dim.
+    `dim0` is the name the model gives a dynamic axis 0 (ONNX's dim_param; "" for none, or one
+    an exporter made up per input): two inputs that name different dims there take sizes that
+    may differ (workers.contract). Not part of the signature (a reload may rename it)."""
 
     name: str
     dtype: str
     shape: tuple[int | None, ...]
+    dim0: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

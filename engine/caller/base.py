@@ -234,7 +234,7 @@ class BaseEngine:
 
     def _set_specs(self, info: SessionInfo | None) -> None:
         self._specs = info.inputs if info else ()
-        self._batchable = bool(self._specs) and all(s.shape and s.shape[0] is None for s in self._specs)
+        self._batchable = contract.batchable(self._specs)
         self._admitted = contract.Checked()  # signature -> (batch key, items)
         self.model_version = info.model_digest if info else ""
 

@@ -15,7 +15,7 @@ class ModelDescription:
     runtime: str
     runtime_version: str
     model_version: str
-    batchable: bool  # every input has a dynamic axis 0
+    batchable: bool  # every input's axis 0 is one dynamic dim, the batch (workers.contract.batchable)
     weights: str = ""  # how the weights were loaded (shared, or as given and why)
 
 

@@ -329,7 +329,7 @@ def cmd_inspect(args: argparse.Namespace, argv: list[str]) -> int:
             dyn = [i for i, n in enumerate(s.shape) if n is None]
             print(f"  {s.name:<20} {np.dtype(s.dtype).name:<8} {_dims(s.shape):<20} "
                   f"dynamic axes: {dyn or 'none'}")
-    print(f"batchable (dynamic axis 0 on every input): {'yes' if d.batchable else 'no'}")
+    print(f"batchable (one dynamic axis 0, the batch, on every input): {'yes' if d.batchable else 'no'}")
     for line in _runtimes():
         print(line)
     return 0

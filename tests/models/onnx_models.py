@@ -340,6 +340,18 @@ def multi_io(path: StrPath) -> Path:
     return _save(graph, path)
 
 
+def two_lengths(path: StrPath, first: str = "N", second: str = "M") -> Path:
+    """Inputs ``a`` float32 [first,4] and ``b`` float32 [second,4], output ``y`` = the two
+    stacked (Concat on axis 0): with two names, sizes that may differ (ONNX's dim_params)."""
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)],
+        "two_lengths",
+        [_float("a", [first, 4]), _float("b", [second, 4])],
+        [_float("y", ["total", 4])],
+    )
+    return _save(graph, path)
+
+
 def multi_io_reference(feats: npt.ArrayLike, ids: npt.ArrayLike) -> dict[str, FloatArray]:
     """Numpy ``{"sum", "total"}`` of :func:`multi_io`."""
     s = np.asarray(feats, np.float64).sum(axis=1) + np.asarray(ids, np.float64)
