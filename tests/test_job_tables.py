@@ -168,6 +168,21 @@ def test_sigkill_mid_table_resumes_byte_identical(tmp_path: Path, models: Simple
 # -- the readers, directly ------------------------------------------------------------------------------
 
 
+def test_an_empty_line_of_a_one_column_csv_is_its_row_not_skipped(tmp_path: Path) -> None:
+    """A one-column CSV's empty cell is an empty line: its row (a null cell, which fails
+    alone), so the rows after it keep their places. Was: pyarrow skipped the line, the source
+    counted 9 rows of 10, and each later row took the output of the one before it (exit 0)."""
+    (tmp_path / "t.csv").write_text("a\n" + "".join("\n" if i == 6 else f"{i}\n" for i in range(10)))
+    src = open_source(tmp_path / "t.csv", hook=False)
+    src.bind([TensorSpec("a", "int64", (None,))])
+    assert src.count == 10
+    reader = src.row_reader([(0, 10)])
+    assert list(reader.runs()) == [(0, 6), (6, 7), (7, 10)]
+    np.testing.assert_array_equal(reader.read(7, 10)["a"], [7, 8, 9])
+    with pytest.raises(RowsUnreadable, match=r"column 'a'.*null"):
+        reader.read(6, 7)
+
+
 def test_csv_rows_read_as_spans_around_a_bad_row(tmp_path: Path) -> None:
     """A CSV's scalar columns become arrays; an empty cell is a span of one row that raises
     RowsUnreadable; runs follow `todo` (a resume skips settled rows); kept values follow."""

@@ -319,8 +319,11 @@ class CsvSource(TableSource):
 
         convert = (csv.ConvertOptions(include_columns=columns, column_types=self.column_types)
                    if columns is not None else None)
+        # an empty line is a row (a null cell: it fails alone), not skipped as pyarrow's default
+        # has it: a one-column CSV with an empty cell lost that row, and every later row took
+        # the output of the one before it (exit 0, nothing said)
         return csv.open_csv(self.path, read_options=csv.ReadOptions(block_size=self.BLOCK),
-                            convert_options=convert)
+                            parse_options=csv.ParseOptions(ignore_empty_lines=False), convert_options=convert)
 
     def _schema(self) -> Any:
         return self._reader(None).schema
