@@ -204,7 +204,13 @@ def test_wrong_dtype_is_one_error_up_front(tmp_path: Path, models: SimpleNamespa
     p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2)
     one_line(p, "does not fit the model")
     assert "expected dtype <f4 (float32), got <f8 (float64)" in p.stderr
-    assert not durable_indexes(Path(f"{out}.parts")) and not out.exists()
+    # the job never ran: its folder goes, and the rerun with the input fixed is not "a different
+    # job" (was: refused so, a manifest left behind by a job that computed nothing)
+    assert not Path(f"{out}.parts").exists() and not out.exists()
+    np.save(tmp_path / "in.npy", rows(300))
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 2)
+    assert p.returncode == 0, p.stderr
+    np.testing.assert_allclose(read_probs(out), mlp_reference(rows(300))["probs"], rtol=1e-5, atol=1e-6)
     np.savez(tmp_path / "in.npz", x=rows(3).astype(np.float16))  # named inputs too
     one_line(slabpool("run", models.mlp, tmp_path / "in.npz", "-o", tmp_path / "o2.npz", "--workers", 1),
              "got <f2 (float16)")

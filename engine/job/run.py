@@ -41,9 +41,11 @@ import functools
 import json
 import multiprocessing
 import resource
+import shutil
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -89,6 +91,7 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
         direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
         job = fingerprint(spec, source)
         intr.check()  # before anything is written: stdin read, lines counted, the model digested
+        made = not spec.parts.exists()  # this run makes the job's folder (a refusal takes it away)
         try:
             try:
                 store = Store.open(spec.parts, job, resume=spec.resume, overwrite=spec.overwrite,
@@ -96,16 +99,39 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
                                    direct=direct, count=source.count)
             except DifferentJob as exc:
                 raise JobError(refusal(spec.parts, exc.manifest, job)) from None
+            refused = False
             try:
                 hold("open")
                 intr.check()
                 return _run_on(spec, source, store, t0, limit, intr, stream)
+            except JobError:
+                refused = made and _untouched(spec.parts)
+                raise
             finally:
                 store.close()
+                if refused:  # the job could not run at all: the rerun that fixes it is a new job
+                    shutil.rmtree(spec.parts, ignore_errors=True)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise JobError(_no_space(spec, exc)) from exc
+
+
+_FRESH = {".lock", "manifest.json", "journal.jsonl", "shards"}
+
+
+def _untouched(parts: Path) -> bool:
+    """The job's folder holds nothing but what opening it wrote: no journal line, no shard, no
+    failure, no report (a job refused before its first item: its input or model does not fit).
+    Was: left behind, so the corrected rerun was refused as "a different job"."""
+    shards, journal = parts / "shards", parts / "journal.jsonl"
+    try:
+        if not {p.name for p in parts.iterdir()} <= _FRESH:
+            return False
+        return (not shards.exists() or not any(shards.iterdir())) and \
+            (not journal.exists() or journal.stat().st_size == 0)
+    except OSError:
+        return False
 
 
 def _no_space(spec: JobSpec, exc: OSError) -> str:
