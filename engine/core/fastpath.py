@@ -45,12 +45,12 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
 from slabpool.engine.core import interrupts
+from slabpool.engine.core.owner import OwnerLock
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
@@ -80,62 +80,6 @@ class LendingTransport(Protocol):
     def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
         """The owner lock (let go of around the transport's wait), and whom to tell when the
         transport itself ends a lend (a death, a kill, a Revoke, an outbox filling)."""
-
-
-class OwnerLock:
-    """The owner role: a lock and who holds it (`held_here`, `released` by the owner thread
-    around its wait)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.holder = 0  # the thread id holding it (0: none)
-
-    @property
-    def held_here(self) -> bool:
-        return self.holder == threading.get_ident()
-
-    @contextmanager
-    def owning(self) -> Iterator[None]:
-        """Act as the owner (waits for the lock); reentrant on the same thread."""
-        if self.held_here:
-            yield
-            return
-        self._lock.acquire()
-        self.holder = threading.get_ident()
-        try:
-            yield
-        finally:
-            self.holder = 0
-            self._lock.release()
-
-    def own(self) -> None:
-        """Take the lock, waiting for it (not held by this thread: see `owning`)."""
-        self._lock.acquire()
-        self.holder = threading.get_ident()
-
-    def try_own(self) -> bool:
-        """Take the lock if it is free now (never waits; False when this thread holds it)."""
-        if self.held_here or not self._lock.acquire(blocking=False):
-            return False
-        self.holder = threading.get_ident()
-        return True
-
-    def let_go(self) -> None:
-        self.holder = 0
-        self._lock.release()
-
-    @contextmanager
-    def released(self) -> Iterator[None]:
-        """Around the owner thread's wait: a caller may act meanwhile."""
-        if not self.held_here:
-            yield
-            return
-        self.let_go()
-        try:
-            yield
-        finally:
-            self._lock.acquire()
-            self.holder = threading.get_ident()
 
 
 class Lender(enum.Enum):

@@ -27,15 +27,71 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
-from slabpool.engine.core.fastpath import OwnerLock
 from slabpool.workers import errors
 
 T = TypeVar("T")
 log = logging.getLogger("slabpool.engine")
+
+
+class OwnerLock:
+    """The owner role: a lock and who holds it (`held_here`, `released` by the owner thread
+    around its wait)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder = 0  # the thread id holding it (0: none)
+
+    @property
+    def held_here(self) -> bool:
+        return self.holder == threading.get_ident()
+
+    @contextmanager
+    def owning(self) -> Iterator[None]:
+        """Act as the owner (waits for the lock); reentrant on the same thread."""
+        if self.held_here:
+            yield
+            return
+        self._lock.acquire()
+        self.holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.holder = 0
+            self._lock.release()
+
+    def own(self) -> None:
+        """Take the lock, waiting for it (not held by this thread: see `owning`)."""
+        self._lock.acquire()
+        self.holder = threading.get_ident()
+
+    def try_own(self) -> bool:
+        """Take the lock if it is free now (never waits; False when this thread holds it)."""
+        if self.held_here or not self._lock.acquire(blocking=False):
+            return False
+        self.holder = threading.get_ident()
+        return True
+
+    def let_go(self) -> None:
+        self.holder = 0
+        self._lock.release()
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Around the owner thread's wait: a caller may act meanwhile."""
+        if not self.held_here:
+            yield
+            return
+        self.let_go()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self.holder = threading.get_ident()
 
 
 class LoopBody(Protocol):

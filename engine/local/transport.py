@@ -33,7 +33,7 @@ import numpy as np
 import psutil
 
 from slabpool.engine.core.config import EngineConfig
-from slabpool.engine.core.fastpath import OwnerLock
+from slabpool.engine.core.owner import OwnerLock
 from slabpool.engine.core.states import KillReason, TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Died, Done, Event, InHand, Ready, Room, Unsendable, sooner
