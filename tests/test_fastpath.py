@@ -653,17 +653,23 @@ def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_e
     infer() raises KeyboardInterrupt once that stretch is over; the task ends once (completed,
     its result dropped), no input lease is left, the engine serves on and lends again. Was:
     EngineInternalError ("a caller acting as the engine's owner was interrupted") for every
-    later call, and the input lease freed twice (the supervisor thread failed on it)."""
-    assert threading.current_thread() is threading.main_thread()  # (only it runs signal handlers)
+    later call, and the input lease freed twice (the supervisor thread failed on it). A handler
+    a test put in before (the job's) is gone: the engine's goes over the default again."""
+    main = threading.main_thread()
+    assert threading.current_thread() is main  # (only it runs signal handlers)
     fired: list[str] = []
 
     def ctrl_c() -> None:
-        if not fired:
+        if not fired and threading.current_thread() is main:  # (the owner thread's dispatch: no)
             fired.append(where)
             signal.raise_signal(signal.SIGINT)
 
     with Engine(models.mlp, workers=1) as eng:
-        want = eng.infer(X)["probs"]
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # a job's handler, say, for a while
+        try:
+            want = eng.infer(X)["probs"]
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         fast = _fast(eng)
         if where == "the caller's dispatch":
             send = fast.co.dispatcher.before_send
@@ -674,20 +680,28 @@ def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_e
         else:
             accept = fast.accept
             monkeypatch.setattr(fast, "accept", lambda *a: (accept(*a), ctrl_c())[0])
-        _owner_asleep(eng)
-        before = fast.lends
-        with pytest.raises(KeyboardInterrupt):
-            eng.infer(X)
-        assert fired and fast.lends == before + 1
+        calls = 1
+        for _ in range(20):  # (on a loaded machine the owner thread may wake meanwhile: not lent)
+            _owner_asleep(eng)
+            before = fast.lends
+            calls += 1
+            try:
+                eng.infer(X)
+            except KeyboardInterrupt:
+                assert fired and fast.lends == before + 1
+                break
+            assert not fired
+        else:
+            raise AssertionError("no call was lent in 20 tries")
         monkeypatch.undo()
-        _until(lambda: eng.stats().completed == 2, "the interrupted task to end")
+        _until(lambda: eng.stats().completed == calls, "the interrupted task to end")
         _owner_asleep(eng)
         after = [eng.infer(X)["probs"] for _ in range(3)]
         lent_after = fast.lends - before - 1
         st = eng.stats()
         assert eng.state.name == "ACCEPTING" and not fast.lent
     assert all(a.tobytes() == want.tobytes() for a in after) and lent_after >= 1
-    assert (st.accepted, st.completed, st.failed, st.cancelled, st.restarts) == (5, 5, 0, 0, 0)
+    assert (st.accepted, st.completed, st.failed, st.cancelled, st.restarts) == (calls + 3, calls + 3, 0, 0, 0)
     assert st.shm_inputs_used == 0
 
 
@@ -720,21 +734,20 @@ def test_a_ctrl_c_while_the_lender_polls_comes_at_once_and_the_owner_reads_the_a
     assert (st.accepted, st.completed, st.failed, st.shm_inputs_used) == (3, 3, 0, 0)
 
 
-def test_a_sigint_handler_of_the_users_own_is_left_alone(monkeypatch):
-    """The engine's handler goes in only over Python's default: a handler of the user's stays."""
+def test_a_sigint_handler_of_the_users_own_is_left_alone():
+    """The engine's handler goes in only over Python's default, asked at each stretch: a
+    handler of the user's stays; once the default is back, the engine's goes in again."""
     from slabpool.engine.core import interrupts
 
     def mine(signum: int, frame: Any) -> None:
         pass
 
     old = signal.signal(signal.SIGINT, mine)
-    monkeypatch.setattr(interrupts, "_armed", False)
     try:
         interrupts.enter()
         interrupts.leave()
         assert signal.getsignal(signal.SIGINT) is mine
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        monkeypatch.setattr(interrupts, "_armed", False)
         interrupts.enter()
         try:
             assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint

@@ -394,9 +394,7 @@ class BaseEngine:
         with TaskCancelled now; its buffers are freed once the run really ends); with
         `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay.
         In a process that got the engine through os.fork: False, and nothing is touched."""
-        if self._inherited:
-            return False
-        if future.cancel():
+        if future.cancel():  # (TaskFuture.cancel: False in such a process; so is the owner's call)
             return True
         task: Task | None = getattr(future, "slabpool_task", None)
         if task is None or future.done():

@@ -17,20 +17,27 @@ dropped), a lend goes back to the owner thread, and the engine serves on.
                                                                 lend goes back (FastPath.wait)
     own the lock, read, finish, let go   in the stretch         noted; raised at its end
 
-The handler is installed the first time the main thread enters a stretch, and only over
-Python's own default (`signal.default_int_handler`); outside a stretch it does what the
-default does. A handler of the user's own is left alone, and is the user's to keep safe (one
-that raises in a stretch stops the engine, as before). Stretches are short and never block on
-anything but the owner lock (at most one owner step), so a Ctrl-C waits microseconds.
+The handler is put in place when the main thread enters a stretch and finds Python's own
+default there (`signal.default_int_handler`; asked at each stretch: a job or a test may put
+its own handler in and take it out again); outside a stretch it does what the default does. A
+handler of the user's own is left alone, and is the user's to keep safe (one that raises in a
+stretch stops the engine, as before). Stretches are short and never block on anything but the
+owner lock (at most one owner step), so a Ctrl-C waits microseconds.
 """
 
 from __future__ import annotations
 
+import importlib
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 _MAIN = threading.main_thread().ident
+_SIGINT = int(signal.SIGINT)
+_DEFAULT = signal.default_int_handler
+# the C function signal.getsignal wraps: the wrapper's enum lookup costs ~2 us a call, this ~15 ns
+_handler: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
 
 class _Stretches(threading.local):
@@ -39,7 +46,6 @@ class _Stretches(threading.local):
 
 
 _here = _Stretches()
-_armed = False  # the handler is in place (or was found replaced by the user's: left alone)
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -51,8 +57,8 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
 
 def enter() -> None:
     """This thread starts a stretch a KeyboardInterrupt must not cut."""
-    if not _armed:
-        _arm()
+    if _handler(_SIGINT) is _DEFAULT and threading.get_ident() == _MAIN:
+        signal.signal(_SIGINT, _on_sigint)  # (only the main thread runs handlers, and sets them)
     _here.depth += 1
 
 
@@ -74,11 +80,3 @@ def leave_quietly() -> None:
     if not here.depth:
         here.pending = False
 
-
-def _arm() -> None:
-    global _armed
-    if threading.get_ident() != _MAIN:
-        return  # (only the main thread runs signal handlers; it arms at its first stretch)
-    _armed = True
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
