@@ -263,6 +263,38 @@ def test_write_atomic_reports_a_full_disk_once_naming_the_file(tmp_path: Path) -
         assert not list(disk.iterdir())  # no torn file either
 
 
+def test_write_atomic_called_off_before_the_rename_leaves_the_old_file(tmp_path: Path) -> None:
+    """`ready` raising once the file is whole (the job's check for a signal that came during
+    its final write): the old file stays, and no temporary file is left beside it. Was: a
+    Ctrl-C during a Parquet OUTPUT's last row group wrote OUTPUT and exited 130 anyway."""
+    path = tmp_path / "o.npy"
+    np.save(path, np.zeros(3))
+
+    def called_off() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, lambda f: np.save(f, np.ones(3)), ready=called_off)
+    assert np.load(path).tolist() == [0, 0, 0] and sorted(p.name for p in tmp_path.iterdir()) == ["o.npy"]
+
+
+def test_a_dead_runs_temporary_file_beside_output_is_removed(tmp_path: Path, models: SimpleNamespace) -> None:
+    """A run SIGKILLed during its final write leaves `.OUTPUT.tmp-PID`; the next run's own has
+    another pid, so it used to stay for good. Now the temporary files of processes that are
+    gone go when the next one is made; a live process's is left alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for suffix in (".npz", ".parquet", ".npy"):
+        out = tmp_path / f"o{suffix}"
+        stale, live = tmp_path / f".{out.name}.tmp-{dead.pid}", tmp_path / f".{out.name}.tmp-{os.getppid()}"
+        stale.write_bytes(b"torn"), live.write_bytes(b"someone's")
+        np.save(tmp_path / "in.npy", rows(5))
+        p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1)
+        assert p.returncode == 0, p.stderr
+        assert out.exists() and not stale.exists() and live.read_bytes() == b"someone's"
+        live.unlink()
+
+
 def read_probs(out: Path) -> np.ndarray:
     if out.suffix == ".npy":
         return np.load(out)

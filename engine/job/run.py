@@ -412,7 +412,8 @@ class JobRun:
         if spec.parquet:
             keep = tuple(store.keep_types)
             write_atomic(spec.output, lambda f: job_parquet.assemble(store.shard_paths(), count, keep, f,
-                                                                     check=self.intr.check))
+                                                                     check=self.intr.check),
+                         ready=self.intr.check)  # (a signal during the last row group: not written)
         elif spec.single_file:
             written, note = publish(store, spec.output)
             if not written:

@@ -4,6 +4,7 @@ fsynced); .npz archives of any names; digests that catch torn writes."""
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -20,9 +21,12 @@ import numpy.typing as npt
 Array = npt.NDArray[Any]
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write to a temporary file beside `path`, fsync, rename over it, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object],
+                 ready: Callable[[], None] | None = None) -> None:
+    """Write to a temporary file beside `path`, fsync, rename over it, fsync the folder.
+    `ready()`, once the file is whole and before the rename, may still call it off (it
+    raises: `path` stays as it was; the job's check for a signal)."""
+    tmp = temp_beside(path)
     f: IO[bytes] | None = None
     try:
         try:
@@ -35,11 +39,35 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
             raise write_error(path, exc) from exc
         finally:
             _close_quietly(f)
+        if ready is not None:
+            ready()
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
+
+
+def temp_beside(path: Path) -> Path:
+    """This process's temporary name for `path` (`.NAME.tmp-PID`), once the ones of processes
+    that died before they renamed theirs are removed (a SIGKILL during a final write left its
+    file beside OUTPUT for good: the next run's name has another pid)."""
+    mine = os.getpid()
+    for old in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        pid = old.name.rsplit("-", 1)[1]
+        if pid.isdigit() and (int(pid) == mine or not _alive(int(pid))):
+            old.unlink(missing_ok=True)
+    return path.with_name(f".{path.name}.tmp-{mine}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's)
+    return True
 
 
 def _close_quietly(f: IO[bytes] | None) -> None:

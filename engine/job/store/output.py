@@ -16,7 +16,7 @@ import numpy as np
 from slabpool.engine.job.parquet import Schema
 from slabpool.engine.job.store import shards
 from slabpool.engine.job.store.direct import item_runs
-from slabpool.engine.job.store.files import Array, fsync_dir, savez, write_atomic, write_error
+from slabpool.engine.job.store.files import Array, fsync_dir, savez, temp_beside, write_atomic, write_error
 from slabpool.engine.job.store.journal import Store
 from slabpool.engine.job.store.rows import blank
 
@@ -38,8 +38,7 @@ def publish(store: Store, output: Path) -> tuple[bool, str | None]:
     if store.direct == "npz":
         write_atomic(output, lambda f: savez(f, files.arrays()))
         return True, None
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
+    tmp = temp_beside(output)
     try:
         os.link(files.paths[0], tmp)
     except OSError:  # no hard links here: a copy
