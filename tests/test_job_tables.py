@@ -183,6 +183,20 @@ def test_an_empty_line_of_a_one_column_csv_is_its_row_not_skipped(tmp_path: Path
         reader.read(6, 7)
 
 
+def test_a_csv_column_named_after_an_input_is_parsed_as_its_dtype(tmp_path: Path) -> None:
+    """CSV text has no binary type: the column that feeds a float32 input is read as float32
+    (was: inferred as double, then refused as the wrong dtype: no float32 input could be fed
+    from a CSV without a hook); a kept column is still typed from the text."""
+    (tmp_path / "t.csv").write_text("a,id\n" + "".join(f"{i / 3},{i}\n" for i in range(6)))
+    src = open_source(tmp_path / "t.csv", hook=False)
+    src.choose_keep(["id"])
+    src.bind([TensorSpec("a", "<f4", (None,))])
+    reader = src.row_reader([(0, 6)])
+    assert list(reader.runs()) == [(0, 6)]
+    got = reader.read(0, 6)["a"]
+    assert got.dtype == np.float32 and got.tolist() == [np.float32(i / 3) for i in range(6)]
+
+
 def test_csv_rows_read_as_spans_around_a_bad_row(tmp_path: Path) -> None:
     """A CSV's scalar columns become arrays; an empty cell is a span of one row that raises
     RowsUnreadable; runs follow `todo` (a resume skips settled rows); kept values follow."""

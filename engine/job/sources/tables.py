@@ -305,10 +305,13 @@ class CsvSource(TableSource):
         self.count = sum(b.num_rows for b in self._reader([self.schema.names[0]]))
 
     def bind(self, inputs: Sequence[TensorSpec]) -> None:
-        """A CSV's text has no binary type: gathered columns are parsed as their input's dtype
-        (a cell that does not parse as one stops the job, naming it), not inferred and cast."""
+        """A CSV's text has no binary type: an input's columns (gathered, or the one named
+        after it) are parsed as its dtype (a cell that does not parse as one stops the job,
+        naming it), not inferred and cast. Was: only gathered ones, so a column for a float32
+        input was read as double and refused."""
+        names = set(self.schema.names)
         for spec in inputs:
-            for c in self.gather.get(spec.name, ()):
+            for c in self.gather.get(spec.name, (spec.name,) if spec.name in names else ()):
                 self.column_types[c] = self.pa.from_numpy_dtype(np.dtype(spec.dtype))
         if self.column_types:
             self.schema = self._reader(list(self.schema.names)).schema
