@@ -558,6 +558,42 @@ def test_a_setting_that_means_nothing_on_ray_is_refused_by_name(
         RayEngine(models.mlp, **setting)
 
 
+@pytest.mark.parametrize("options", [{"max_restarts": 0}, {"max_task_retries": -1}, {"max_concurrency": 4}])
+def test_actor_options_that_would_take_over_recovery_are_refused(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, options: dict[str, Any]
+) -> None:
+    """Was: merged over the engine's own, so max_restarts=0 left a crashed slot STARTING with
+    every Future hung, and max_task_retries=-1 had Ray retry a poison task for ever."""
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"actor_options \['{name}'\] are the engine's"):
+        RayEngine(models.mlp, actor_options=options)  # (before Ray starts; a function's: at each actor)
+    from slabpool.engine.ray.transport import check_actor_options
+
+    assert check_actor_options({"num_gpus": 1, "resources": {"x": 1}}) == {"num_gpus": 1, "resources": {"x": 1}}
+
+
+def test_outputs_in_a_postprocess_object_come_back_writable_on_both(
+    backend: str, models: SimpleNamespace
+) -> None:
+    """A postprocess's own object holding an output large enough for Ray's zero-copy read (was:
+    read-only on Ray, a view into the object store; writable locally)."""
+    x = rows(5, n=20_000)
+    with build(backend, models.mlp, workers=1, postprocess="tests.ray_support.hooks:boxed") as eng:
+        got = eng.infer({"x": x})
+    assert type(got).__name__ == "Boxed" and got.probs.flags.writeable
+    got.probs[0, 0] = 1.0
+
+
+def test_inputs_that_do_not_pickle_are_refused_at_submit_on_both(backend: str, models: SimpleNamespace) -> None:
+    """With a preprocess the inputs' objects cross as they are: one plain pickle cannot take
+    (a lambda) is refused at submit, as locally (was: taken by Ray's cloudpickle, and run)."""
+    with build(backend, models.mlp, workers=1, preprocess=HOOK) as eng:
+        with pytest.raises(E.TaskDataError, match="the inputs"):
+            eng.submit({"x": rows(0), "how": lambda: 1})
+        assert eng.stats().accepted == 0
+        assert_mlp(eng.infer({"x": rows(1)}), rows(1))
+
+
 def test_a_slot_that_cannot_be_placed_stays_starting(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:

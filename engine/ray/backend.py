@@ -56,7 +56,8 @@ from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import EngineState, SlotState
 from slabpool.engine.core.stats import EngineStats, SlotStats
 from slabpool.engine.core.task import Task
-from slabpool.engine.ray.transport import RayTransport, Staged
+from slabpool.engine.ray import instance
+from slabpool.engine.ray.transport import RayTransport, Staged, check_actor_options
 from slabpool.workers import errors as E
 from slabpool.workers import packing
 from slabpool.workers.protocol import SessionInfo, seal
@@ -82,6 +83,7 @@ class RayEngine(BaseEngine):
     """
 
     _reload_plan = ReloadPlan  # a slot's actor is replaced by a new one on the new model
+    _ray_use = ""  # this engine's use of a Ray it or another RayEngine started (engine.ray.instance)
 
     def __init__(
         self,
@@ -96,6 +98,8 @@ class RayEngine(BaseEngine):
         """The Ray-only settings here; every other one is Engine's (`BaseEngine.__init__`)."""
         if not cpus_per_slot > 0:
             raise ValueError(f"cpus_per_slot must be > 0, got {cpus_per_slot!r}")
+        if isinstance(actor_options, Mapping):
+            check_actor_options(actor_options)  # (a function's: at each actor it makes)
         self._ray_options = (address, dict(ray_init_kwargs or {}), cpus_per_slot, actor_options)
         self._given = frozenset(settings)
         super().__init__(model, **settings)
@@ -105,12 +109,10 @@ class RayEngine(BaseEngine):
         _check_supported(self.config, self._given)
         self._state = EngineState.ACCEPTING
         self._close_lock = threading.Lock()
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            init: dict[str, Any] = {"include_dashboard": False, **ray_init_kwargs}
-            if address is not None:
-                init["address"] = address
-            ray.init(**init)
+        init: dict[str, Any] = {"include_dashboard": False, **ray_init_kwargs}
+        if address is not None:
+            init["address"] = address
+        self._ray_use = instance.acquire(init)  # (shared with the other RayEngines: engine.ray.instance)
         # nothing the ledger thread keeps may refer to the engine (a dropped one is collected,
         # and its finalizer stops the actors): no bound methods of it, a weak reference
         self._queue = TaskQueue(self.config.queue_capacity, self.config.admission, _no_wake,
@@ -127,7 +129,7 @@ class RayEngine(BaseEngine):
             self._shutdown_ray()
             raise
         self._set_specs(self._ledger.info)
-        self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger, self._owns_ray)
+        self._finalizer = weakref.finalize(self, _emergency_stop, self._ledger, self._ray_use)
 
     # -- steps 1-2: validate, put into the object store ------------------------------------------
 
@@ -139,7 +141,10 @@ class RayEngine(BaseEngine):
         # the context is pickled now, as locally: one that does not pickle is refused before it is
         # accepted (Ray's cloudpickle would take a lambda), and the task sees what it held at submit
         context = None if request.context is None else seal(request.context, "the context")
-        nbytes = sum(a.nbytes for a in packing.split(item)[1])
+        skeleton, arrays = packing.split(item)
+        if self.config.preprocess is not None:  # the inputs' objects too, as locally (pool._enqueue)
+            seal(skeleton, "the inputs")
+        nbytes = sum(a.nbytes for a in arrays)
         for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
                                        nbytes):
             self._end_queued(old, superseded_error(old))
@@ -175,9 +180,8 @@ class RayEngine(BaseEngine):
         self._shutdown_ray()  # if this engine started Ray
 
     def _shutdown_ray(self) -> None:
-        if self._owns_ray and ray.is_initialized():
-            self._owns_ray = False
-            ray.shutdown()
+        use, self._ray_use = self._ray_use, ""
+        instance.release(use)  # the last engine on the Ray one of them started shuts it down
 
     # -- looking inside -------------------------------------------------------------------------
 
@@ -243,7 +247,7 @@ def _on_stopped(ref: weakref.ReferenceType[RayEngine]) -> None:
         engine._mark_closed()
 
 
-def _emergency_stop(ledger: Coordinator, owns_ray: bool) -> None:
+def _emergency_stop(ledger: Coordinator, ray_use: str) -> None:
     """The engine was dropped without close(): kill the actors rather than leak them (and shut
     down the Ray it started)."""
     if not ledger.join(0):
@@ -252,5 +256,4 @@ def _emergency_stop(ledger: Coordinator, owns_ray: bool) -> None:
             "still held was cancelled; use `with RayEngine(...)` or call close()", ResourceWarning, stacklevel=2)
         ledger.call(ledger.abort, "the engine was garbage-collected without close()")
         ledger.join(10)
-    if owns_ray and ray.is_initialized():
-        ray.shutdown()
+    instance.release(ray_use)

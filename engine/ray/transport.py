@@ -16,6 +16,7 @@ owner thread reads it in `wait()` and turns it into Ready, Done and Died, in ord
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import time
 from collections import deque
@@ -325,7 +326,7 @@ class RayTransport:
         opts: dict[str, Any] = {"num_cpus": cpus_per_slot, "max_restarts": -1, "max_task_retries": 0,
                                 "max_concurrency": 1}
         extra = actor_options(index) if callable(actor_options) else actor_options
-        opts.update(extra or {})
+        opts.update(check_actor_options(extra or {}))
         cfg = self.cfg
         return self._remote.options(**opts).remote(
             index, spec, cfg.preprocess, cfg.postprocess, cfg.initializer, cfg.initargs, cfg.task_timeout)
@@ -338,6 +339,23 @@ class RayTransport:
             ray.kill(handle, no_restart=not restart)
         except Exception as exc:  # noqa: BLE001 - Ray already gone: nothing left to kill
             log.debug("could not kill an actor: %s", exc)
+
+
+# what the engine's recovery rests on: Ray restarts a dead actor (and the engine replays what it
+# held, quarantines what killed it), retries no call itself, and runs one call at a time
+_ENGINE_OWNS = ("max_restarts", "max_task_retries", "max_concurrency")
+
+
+def check_actor_options(options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`actor_options`, refused where they would take over what the engine's recovery needs.
+    Was: merged over the engine's own, so max_restarts=0 left a crashed slot STARTING for good
+    (every Future hung) and max_task_retries=-1 had Ray retry a poison task for ever."""
+    taken = [k for k in _ENGINE_OWNS if k in options]
+    if taken:
+        raise ValueError(f"actor_options {taken} are the engine's: it restarts every dead actor itself "
+                         "(max_restarts=-1), replays and quarantines what it held (max_task_retries=0), one "
+                         "call at a time (max_concurrency=1); use max_attempts and task_timeout instead")
+    return options
 
 
 def _failed(task: Task, exc: BaseException) -> E.SessionRunError:
@@ -358,4 +376,9 @@ def _owned(obj: Any) -> Any:
         return type(obj)(_owned(v) for v in obj)
     if isinstance(obj, (dict, list, tuple)):
         return packing.like(obj, [_owned(v) for v in (obj.values() if isinstance(obj, dict) else obj)])
-    return obj
+    if obj is None or isinstance(obj, (str, bytes, int, float, complex, np.generic)):
+        return obj
+    try:  # any other object (a postprocess's dataclass) may hold views too: a copy of it, as locally
+        return pickle.loads(pickle.dumps(obj, protocol=4))  # (5 keeps a read-only array read-only)
+    except Exception:  # noqa: BLE001 - what plain pickle cannot copy (Ray's cloudpickle made it) stays
+        return obj

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,3 +41,14 @@ def staged(item: dict[str, Any]) -> dict[str, np.ndarray]:
 def label(outputs: dict[str, np.ndarray], batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """A Ray Data postprocess: keep the id column, add the arg-max label."""
     return {"id": batch["id"], "label": outputs["probs"].argmax(axis=-1)}
+
+
+@dataclass
+class Boxed:
+    """A postprocess's own object holding an output (the caller must get it writable)."""
+
+    probs: np.ndarray
+
+
+def boxed(outputs: dict[str, np.ndarray], item: Any) -> Boxed:
+    return Boxed(outputs["probs"])
