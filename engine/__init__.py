@@ -16,7 +16,10 @@
      thread and is lent slot k: it waits on pipe k itself and runs 8-9 (the owner's own code,
      under the owner lock); infer_async lends it to the event loop (after two idle accepts
      in a row; taken back once work queues behind it). Under load, or off the happy path (a
-     death, a timer, a cancel, close), the owner thread does as drawn.
+     death, a timer, a cancel, close), the owner thread does as drawn. A Ctrl-C that lands
+     while the caller does the owner's work (from the accept to the lend's wait, and each step
+     under the lock) waits for that stretch's end (engine.core.interrupts): the call is
+     abandoned there, the slot goes back to the owner thread, the engine serves on.
 
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
@@ -51,8 +54,9 @@
 Where the code is (imports point one way: core <- caller <- local, ray; job on local):
 - `engine.core`: the owner both backends share, `coordinator.Coordinator`, a coordinator of
   parts it holds: `owner.OwnerThread` (the thread that changes slots and running tasks, while
-  it holds the owner lock; callers hand it callables: `call(fn, *args)`), `fastpath.FastPath`
-  (a caller that holds the owner lock acts as the owner: one call without a thread hop), `ledger.TaskLedger` (ends each task once,
+  it holds the owner lock, `owner.OwnerLock`; callers hand it callables: `call(fn, *args)`), `fastpath.FastPath`
+  (a caller that holds the owner lock acts as the owner: one call without a thread hop;
+  `interrupts` keeps a Ctrl-C out of those stretches), `ledger.TaskLedger` (ends each task once,
   step 9: counters, histograms, Futures completed after the step), `dispatcher.Dispatcher`
   (steps 3-4, and 8-9 on a Done), `watchdog.Watchdog` (task_timeout, stall, start-up bound,
   back-off), `slots.SlotRecord` (a slot's state: one (state, event) table in `states`), and a
@@ -75,7 +79,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   writing it: what the pipe does not take waits in the slot's outbox until the selector says
   writable); `forks` keeps a forked child off the parent's workers.
 - `engine.ray`: `RayEngine`, whose slots are Ray actors (`transport.RayTransport`: actor calls,
-  Ray's restarts and pings, an inbox of event values), on the same owner as the local engine:
+  Ray's restarts and pings, an inbox of event values; `instance`: the Ray an engine started,
+  shared by the process's RayEngines until the last closes), on the same owner as the local engine:
   the same dispatch, timers, replay, quarantine and reload (a slot's actor is replaced once it
   has drained, as a local slot's process is).
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open

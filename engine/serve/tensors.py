@@ -77,10 +77,10 @@ def from_buffer(name: str, datatype: str, shape: tuple[int, ...], buf: bytes | m
     want = math.prod(shape) * dt.itemsize
     if len(buf) != want:
         raise BadRequest(f"input {name!r}: shape {list(shape)} of {datatype} takes {want} bytes, got {len(buf)}")
-    if dt.kind == "b" and want and np.frombuffer(buf, np.uint8).max() > 1:  # (numpy would keep the byte)
-        bad = int(np.flatnonzero(np.frombuffer(buf, np.uint8) > 1)[0])
+    if dt.kind == "b" and want and (raw := np.frombuffer(buf, np.uint8)).max() > 1:  # (numpy keeps the byte)
+        bad = int(np.flatnonzero(raw > 1)[0])
         raise BadRequest(f"input {name!r}: a BOOL element is one byte, 0 (false) or 1 (true); "
-                         f"element {bad} is {buf[bad]}")
+                         f"element {bad} is {raw[bad]}")
     return np.frombuffer(buf, dt).reshape(shape)
 
 

@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
+import psutil
 
 Array = npt.NDArray[Any]
 
@@ -55,19 +56,9 @@ def temp_beside(path: Path) -> Path:
     mine = os.getpid()
     for old in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         pid = old.name.rsplit("-", 1)[1]
-        if pid.isdigit() and (int(pid) == mine or not _alive(int(pid))):
+        if pid.isdigit() and (int(pid) == mine or not psutil.pid_exists(int(pid))):
             old.unlink(missing_ok=True)
     return path.with_name(f".{path.name}.tmp-{mine}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # (another user's)
-    return True
 
 
 def _close_quietly(f: IO[bytes] | None) -> None:
