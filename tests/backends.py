@@ -85,6 +85,8 @@ LOCAL_ONLY = {
     "test_core_policy": "the owner core without processes (dispatch, the call bus, the ledger): no backend",
     "test_deadlock": "pipes and their outbox: the local transport's",
     "test_docs": "the docs' examples as written; the Ray doc runs in test_ray",
+    "test_express": "the express lane takes a local slot's pipe and arenas (engine.local.express; a RayEngine's "
+                    "calls take the owner's path)",
     "test_fastpath": "the fast path lends a local slot's pipe to its caller (Ray's transport lends none: "
                      "a unit case there)",
     "test_fork": "fork of the caller's process: the local engine's workers and shared memory (engine.local.forks)",

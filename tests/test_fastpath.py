@@ -674,12 +674,14 @@ def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_e
         if where == "the caller's dispatch":
             send = fast.co.dispatcher.before_send
             monkeypatch.setattr(fast.co.dispatcher, "before_send", lambda slot, b: (ctrl_c(), send(slot, b)))
-        elif where == "the lender's step":
-            read = fast.transport.read_lent
+        elif where == "the lender's step":  # (the express lane reads with lent_frames)
+            read, frames = fast.transport.read_lent, fast.transport.lent_frames
             monkeypatch.setattr(fast.transport, "read_lent", lambda slot: (ctrl_c(), read(slot))[1])
+            monkeypatch.setattr(fast.transport, "lent_frames", lambda slot: (ctrl_c(), frames(slot))[1])
         else:
-            accept = fast.accept
+            accept, express = fast.accept, eng._express._dispatch  # type: ignore[attr-defined]
             monkeypatch.setattr(fast, "accept", lambda *a: (accept(*a), ctrl_c())[0])
+            monkeypatch.setattr(eng._express, "_dispatch", lambda *a: (express(*a), ctrl_c())[0])
         calls = 1
         for _ in range(20):  # (on a loaded machine the owner thread may wake meanwhile: not lent)
             _owner_asleep(eng)

@@ -30,6 +30,14 @@ def normalize(inputs: Any, specs: Sequence[TensorSpec]) -> dict[str, Any]:
     )
 
 
+def one_input(inputs: Any, specs: Sequence[TensorSpec]) -> Any:
+    """A bare array as `normalize` reads it (the one input of a one-input model), anything
+    else as it is: the door's cache of checked signatures then takes bare arrays too."""
+    if type(inputs) is np.ndarray and len(specs) == 1:
+        return {specs[0].name: inputs}
+    return inputs
+
+
 def signature(inputs: dict[Any, Any]) -> tuple[Any, ...]:
     """What the contract reads of a dict of inputs: names, exact types, dtypes and shapes. Two
     dicts of one signature pass or fail the check alike, so a checked one need not be again."""

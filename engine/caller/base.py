@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal, Self, overload
+from typing import Any, Literal, Self, cast, overload
 
 from slabpool.engine.caller import aio, blocks, faults, mapping
 from slabpool.engine.caller.calls import InitSignature, check_constructor, not_a_function, public
@@ -220,6 +220,7 @@ class BaseEngine:
         not checked again: the contract depends on nothing else."""
         if self.config.preprocess is not None or not self._specs:
             return inputs, ("item",), 1
+        inputs = contract.one_input(inputs, self._specs)  # a bare array: checked once too
         sig = contract.signature(inputs) if type(inputs) is dict else None
         if sig is not None:
             known = self._admitted.get(sig)
@@ -281,8 +282,7 @@ class BaseEngine:
 
     def _call(self, inputs: Any, kw: dict[str, Any]) -> Outputs:
         """infer() of one task (a backend may wait on its slot itself: engine.local.pool)."""
-        outputs: Outputs = self.submit(inputs, **kw).result().outputs
-        return outputs
+        return cast(Outputs, self.submit(inputs, **kw).result().outputs)
 
     def _submit_chunk(self, inputs: list[Any], context: dict[str, Any] | None) -> Future[Result]:
         raise NotImplementedError

@@ -204,6 +204,20 @@ class TaskQueue:
             self._wake()
         return task
 
+    def accept_running(self, make: Callable[[int], Task]) -> Task | None:
+        """Accept a task that goes to an idle slot at once, never queued (engine.local.express):
+        only while nothing waits here, so it passes no one; None (nothing accepted) otherwise.
+        Raises as `accept` does once the queue is closed."""
+        with self._lock:
+            self.raise_if_closed()
+            if self._pending or self._replays:
+                return None
+            task = make(self._next_id)
+            self._next_id += 1
+            self.counters.accepted += 1
+            self.counters.items_accepted += task.units
+        return task
+
     def discard(self, task: Task) -> bool:
         """Remove a still-queued task, new or waiting to replay (it was cancelled); True if
         it was here. Whoever removes it owns its ending: it will never be sent."""

@@ -329,20 +329,20 @@ class FastPath:
         lend.abandoned = True
         self.co.wake()
 
-    def step(self, lend: Lend, readable: bool) -> None:
-        """Under the lock: what the worker sent, handled as the owner handles it; the slot
-        goes back once the batch has ended (or the task has), and the owner is woken when
-        something waits for it."""
-        if lend.over:
-            return
+    def step(self, lend: Lend, readable: bool, events: list[Event] | None = None) -> None:
+        """Under the lock: what the worker sent (read here when `readable`, or read already:
+        `events`), handled as the owner handles it; the slot goes back once the batch has
+        ended (or the task has), and the owner is woken when something waits for it."""
         co = self.co
-        if lend.reclaim_at is not None:
-            lend.reclaim_at = time.monotonic() + RECLAIM_S
-        if readable:
+        if readable and not lend.over:
             assert self.transport is not None
             events = self.transport.read_lent(lend.slot)
-            if events:
-                co.handle(events, time.monotonic())
+        if events:
+            co.handle(events, time.monotonic())
+        if lend.over and not events:
+            return
+        if lend.reclaim_at is not None:
+            lend.reclaim_at = time.monotonic() + RECLAIM_S
         if lend.over:  # the transport ended it (an EOF, a death): the owner thread's from here
             co.wake()
             co.ledger.flush()

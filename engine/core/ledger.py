@@ -20,7 +20,7 @@ from typing import Any
 
 from slabpool.engine.core.admission import Counter, TaskQueue
 from slabpool.engine.core.states import TaskState
-from slabpool.engine.core.task import Result, Task
+from slabpool.engine.core.task import Result, Task, Timings
 from slabpool.workers import errors
 from slabpool.workers.errors import Crash
 
@@ -84,12 +84,7 @@ class TaskLedger:
             new, counter, items = TaskState.CANCELLED, Counter.CANCELLED, Counter.ITEMS_CANCELLED
         else:
             new, counter, items = TaskState.FAILED, Counter.FAILED, Counter.ITEMS_FAILED
-        task.move(new)
-        self._unfinished.pop(task.id, None)
-        due = self._due  # (count(), inlined: every task ends here)
-        due[counter] = due.get(counter, 0) + 1
-        if task.units:
-            due[items] = due.get(items, 0) + task.units
+        self._end(task, new, counter, items)
         if result is not None:
             self.metrics.observe(result.timings)  # only what is really delivered
         if isinstance(error, errors.TaskTimeout):
@@ -98,6 +93,23 @@ class TaskLedger:
         assert task.future is not None  # (not ended before: the check above)
         self._completions.append((task.future, result, error))
         task.future = None  # its Future is the completion's now (see Task.future)
+
+    def delivered(self, task: Task, timings: Timings) -> None:
+        """A running task whose outputs go straight to the one caller that waits on it
+        (engine.local.express): it ends DONE, counted and observed as `finish` ends it; its
+        Future, which nobody else holds, is not completed."""
+        self._end(task, TaskState.DONE, Counter.COMPLETED, Counter.ITEMS_COMPLETED)
+        self.metrics.observe(timings)
+        self._release(task)
+        task.future = None
+
+    def _end(self, task: Task, new: TaskState, counter: Counter, items: Counter) -> None:
+        task.move(new)
+        self._unfinished.pop(task.id, None)
+        due = self._due  # (count(), inlined: every task ends here)
+        due[counter] = due.get(counter, 0) + 1
+        if task.units:
+            due[items] = due.get(items, 0) + task.units
 
     def count(self, counter: Counter, n: int = 1) -> None:
         """Count now, publish in flush(): one lock per step, before the Futures complete."""

@@ -227,6 +227,21 @@ class LocalTransport:
         w = self.workers[slot]
         if w.lent and w.conn is not None:
             self._drain(w)
+        return self.take_events()
+
+    def lent_frames(self, slot: int) -> list[bytes] | None:
+        """`read_lent`'s read without the handling (engine.local.express): the frames, or None
+        (the slot is no longer lent, or its pipe ended: then the lend is over)."""
+        w = self.workers[slot]
+        return self._read(w) if w.lent and w.conn is not None else None
+
+    def take_frames(self, w: Slot, frames: list[bytes]) -> None:
+        """Frames a lender read off a lent pipe itself (engine.local.express), handled as this
+        transport's own read handles them; their events wait for `take_events`."""
+        for frame in frames:
+            self._on_message(w, decode(frame))
+
+    def take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
 
@@ -274,19 +289,23 @@ class LocalTransport:
     def _drain(self, w: Slot, to_end: bool = False) -> None:
         """What the worker sent: one read() when its pipe is readable; everything that can be
         read when it is dead (`to_end`: what it sent before dying still counts)."""
+        frames = self._read(w, to_end)
+        for frame in frames or ():
+            self._on_message(w, decode(frame))
+
+    def _read(self, w: Slot, to_end: bool = False) -> list[bytes] | None:
+        """The frames one read() gives (`to_end`: all there are); None at the pipe's end."""
         conn, reader = w.conn, w.reader
         assert conn is not None and reader is not None
         try:
-            frames = reader.read_to_end() if to_end else reader.read()
+            return reader.read_to_end() if to_end else reader.read()
         except (EOFError, OSError):
-            frames = None
-        for frame in frames or ():
-            self._on_message(w, decode(frame))
-        if frames is None:
-            w.conn, w.fd = None, -1  # the worker is gone; its sentinel will fire
-            self.selector.forget(conn.fileno())
-            conn.close()
-            self._unlend(w)  # (an EOF on a lent pipe: the death is the owner thread's)
+            pass
+        w.conn, w.fd = None, -1  # the worker is gone; its sentinel will fire
+        self.selector.forget(conn.fileno())
+        conn.close()
+        self._unlend(w)  # (an EOF on a lent pipe: the death is the owner thread's)
+        return None
 
     def _on_message(self, w: Slot, msg: Any) -> None:
         if type(msg) is BatchDone:

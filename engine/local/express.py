@@ -1,0 +1,272 @@
+"""The express lane (issue 21): one `infer()` on an idle engine in the fewest steps.
+
+The fast path (engine.core.fastpath) already runs an idle call's steps 3-9 on the caller's
+thread, but through every general step on the way: the admission queue's reserve, accept and
+take, the dispatcher's search for a slot and its group limits, a general wait. An idle call
+needs none of their decisions, and they were most of its ~5,800 interpreted opcodes
+(docs/latency.md). The express lane makes the same records (a Task with its Future, a Batch
+on a slot, the input lease, the lend) and skips only the choosing:
+
+    caller thread, the owner lock taken only if free (never waits for it)
+     nothing queued, no close, reload, failure or owner call pending; a READY slot holding
+     nothing: else no express, the general path as before
+       step 2   the inputs' layout learnt once per signature; lease, copy in
+                the queue accepts it running (`TaskQueue.accept_running`: the next id, counted)
+       3-4      the dispatcher's own `send_batch` to that slot, lent to this thread
+     the lend's wait and steps 8-9: `FastPath.wait` (the owner's own code, under the lock)
+
+So everything after the accept is the same code as every other call's: a death, a kill, a
+stall, close(), a reload or a Ctrl-C finds a task in a batch on a slot, in the ledger, lent,
+and ends it as it ends any other. Only plain dict inputs of a signature already checked, no
+context or deadline, no preprocess or postprocess, and inputs of at most EXPRESS_MAX_BYTES
+take this lane (the copy runs under the owner lock).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import TYPE_CHECKING, Any
+
+from slabpool.engine.caller.handles import TaskFuture
+from slabpool.engine.core import interrupts
+from slabpool.engine.core.admission import Counter
+from slabpool.engine.core.fastpath import POLL_S, Lend, thread_wake
+from slabpool.engine.core.slots import SlotRecord
+from slabpool.engine.core.states import SlotState, TaskState
+from slabpool.engine.core.task import Batch, Task, Timings
+from slabpool.engine.local.staged import Staged
+from slabpool.workers import contract, packing
+from slabpool.workers.protocol import BatchDone, FlatSkeleton, decode
+
+if TYPE_CHECKING:
+    from slabpool.engine.local.pool import Engine
+
+EXPRESS_MAX_BYTES = 64 << 10  # inputs copied under the owner lock: small ones only
+_LAYOUTS = 256  # signatures whose layout is kept (as contract.Checked keeps checked ones)
+
+
+class Express:
+    """The express lane of one local Engine."""
+
+    def __init__(self, eng: Engine) -> None:
+        co = eng._sup
+        self.co, self.fast, self.lock = co, co.fast, co.fast.lock
+        self.queue, self.ledger, self.dispatcher, self.slots = eng._queue, co.ledger, co.dispatcher, co.slots
+        self.arena, self.transport = eng._inputs, eng._transport
+        cfg = eng.config
+        self.on = self.fast.enabled and cfg.preprocess is None and cfg.postprocess is None
+        self._layouts: dict[tuple[Any, ...], tuple[Any, list[int], int] | None] = {}
+        self.taken = 0  # calls accepted through this lane (stats for tests and bench.latency)
+
+    def call(self, eng: Engine, inputs: Any) -> Any:
+        """The outputs of `infer(inputs)` taken through the express lane; None when it does not
+        take it (nothing was accepted: the caller goes the general way)."""
+        if not self.on or not self.fast.enabled:
+            return None
+        inputs = contract.one_input(inputs, eng._specs)
+        if type(inputs) is not dict:
+            return None
+        sig = contract.signature(inputs)
+        known = eng._admitted.get(sig)  # step 1: a signature the door has checked
+        if known is None:
+            return None
+        lay = self._layouts[sig] if sig in self._layouts else self._learn(sig, inputs)
+        if lay is None:
+            return None
+        interrupts.enter()  # (from the accept to the lend's wait a Ctrl-C waits: engine.core.interrupts)
+        fut = self._dispatch(eng, inputs, known, lay)
+        if fut is None:
+            interrupts.leave()
+            return None
+        self.taken += 1
+        lend = fut.lend
+        if lend is None:
+            interrupts.leave()
+            return fut.result().outputs
+        return self._wait(lend, fut)
+
+    def _learn(self, sig: tuple[Any, ...], inputs: dict[Any, Any]) -> tuple[Any, list[int], int] | None:
+        skeleton, arrays = packing.split(inputs)
+        offsets, nbytes = packing.layout(arrays)
+        lay = (skeleton, offsets, nbytes) if 0 < nbytes <= EXPRESS_MAX_BYTES and len(arrays) == len(inputs) else None
+        if len(self._layouts) >= _LAYOUTS:
+            self._layouts.clear()
+        self._layouts[sig] = lay
+        return lay
+
+    def _dispatch(self, eng: Engine, inputs: dict[Any, Any], known: tuple[Any, int],
+                  lay: tuple[Any, list[int], int]) -> TaskFuture | None:
+        """Steps 2-4 under the owner lock, if it is free and a slot is idle; the Future (its
+        `lend` the slot lent to this thread), or None: nothing accepted."""
+        if not self.lock.try_own():
+            return None
+        try:
+            slot = self._idle_slot()
+            if slot is None:
+                return None
+            skeleton, offsets, nbytes = lay
+            arena = self.arena
+            lease = arena.try_lease(nbytes)
+            if lease is None:
+                return None
+            try:
+                t0 = time.perf_counter()
+                packed = packing.write(skeleton, list(inputs.values()), lease.offset, arena.array, offsets)
+                copy_s = time.perf_counter() - t0
+                fut = TaskFuture(eng._weak)
+                key, items = known
+                task = self.queue.accept_running(lambda task_id: Task(
+                    task_id, fut, Staged(packed, lease, None), key, items, None, 0, None, None, copy_in_s=copy_s,
+                    nbytes=nbytes))
+            except BaseException:
+                arena.release(lease)
+                raise
+            if task is None:
+                arena.release(lease)
+                return None
+            fut.slabpool_task = task
+            self._send(slot, task, fut)
+            return fut
+        finally:
+            self.lock.let_go()
+
+    def _send(self, slot: SlotRecord, task: Task, fut: TaskFuture) -> None:
+        """Steps 3-4 of an accepted task, as the owner's dispatcher takes them (lent to this
+        thread by `FastPath._before_send`); what interrupts them fails the engine, as a bug on
+        the owner thread does."""
+        fast = self.fast
+        local = fast._local
+        try:
+            now = time.monotonic()
+            local.task, local.lend = task, None
+            try:
+                self.dispatcher.send_batch(slot, Batch([task], stack=False), now)
+            finally:
+                lend = local.lend
+                local.task = local.lend = None
+            if lend is not None and not lend.over and not fast._waiting(lend):
+                fast.give_back(lend)  # (its batch was not sent: Unsendable)
+                lend = None
+            fut.lend = lend
+            fast._tell_owner(now)
+            self.ledger.flush()
+        except BaseException as exc:
+            fast._interrupted(exc)
+            raise
+
+    def _idle_slot(self) -> SlotRecord | None:
+        """Under the lock: a READY slot holding nothing, not lent, on an engine with nothing
+        else for the owner to do first (nothing queued or to replay, no close, reload,
+        failure or owner call pending); else None."""
+        co = self.co
+        if (co.ledger.closing is not None or co.ledger.failure is not None or co.reload is not None
+                or co.thread.pending):
+            return None
+        lent = self.fast.lent
+        for s in self.slots:
+            if s.state is SlotState.READY and not s.batches and s.index not in lent:
+                return s
+        return None
+
+    # -- the lend's wait, and steps 8-9 of its happy path ------------------------------------------
+
+    def _wait(self, lend: Lend, fut: TaskFuture) -> Any:
+        """`FastPath.wait`, whose step is `_step`: the one-task batch's BatchDone, read and
+        ended in the fewest steps; anything else (a death, an error, a grant asked for, a
+        log record) through the owner's own handling (`FastPath.step`)."""
+        fast = self.fast
+        outputs = None
+        try:
+            interrupts.leave()
+            waker = thread_wake()
+            lend.wake = waker.wake
+            wake_fd = waker.fd
+            poller = select.poll()
+            poller.register(lend.fd, select.POLLIN)
+            poller.register(wake_fd, select.POLLIN)
+            while not lend.over:
+                got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
+                readable = lend.fd in got
+                if wake_fd in got:
+                    try:
+                        os.eventfd_read(wake_fd)
+                    except BlockingIOError:
+                        pass  # (read by another poll of this thread's: nothing pending)
+                interrupts.enter()
+                try:
+                    self.lock.own()
+                    try:
+                        outputs = self._step(lend, readable)
+                    except BaseException as exc:
+                        fast._interrupted(exc)
+                        raise
+                    finally:
+                        self.lock.let_go()
+                finally:
+                    interrupts.leave()
+        finally:
+            if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
+                fast.forsake_lend(lend)
+            else:
+                os.close(lend.fd)
+        return outputs if outputs is not None else fut.result().outputs
+
+    def _step(self, lend: Lend, readable: bool) -> Any:
+        """Under the lock: the outputs, if the worker's answer was this task's BatchDone alone
+        and it ended there; else None after the owner's own step (`FastPath.step`)."""
+        if lend.over or not readable:
+            self.fast.step(lend, readable)
+            return None
+        t = self.transport
+        frames = t.lent_frames(lend.slot)
+        if frames is None:  # (an EOF: the transport has ended the lend; the owner sees the death)
+            self.fast.step(lend, False, t.take_events())
+            return None
+        w = t.workers[lend.slot]
+        msg = decode(frames[0]) if len(frames) == 1 else None
+        batch, task = lend.batch, lend.task
+        slot = self.slots[lend.slot]
+        if (type(msg) is not BatchDone or msg.batch_id != batch.id or len(msg.outcomes) != 1
+                or msg.outcomes[0].error is not None or not w.sent or w.sent[0].batch is not batch
+                or slot.state is not SlotState.BUSY or batch.revoked or task.state is not TaskState.RUNNING
+                or type(getattr(msg.outcomes[0].outputs, "skeleton", None)) is not FlatSkeleton):
+            t.take_frames(w, frames)  # (as the transport's own read would have had them)
+            self.fast.step(lend, False, t.take_events())
+            return None
+        return self._finish(lend, slot, w, msg)
+
+    def _finish(self, lend: Lend, slot: SlotRecord, w: Any, msg: BatchDone) -> Any:
+        """Steps 8-9 of the happy path: the outputs copied out, the region and the inputs back,
+        the task ended (counted; its Future is not completed: nobody but this call holds it),
+        the slot idle and given back; what queued meanwhile dispatched, as after any Done."""
+        t, d, ledger = self.transport, self.dispatcher, self.ledger
+        batch, task = lend.batch, lend.task
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        packed = msg.outcomes[0].outputs
+        assert packed is not None  # (checked by `_step`)
+        outputs = packing.unpack(packed, t.outputs.array, copy=True, items=False)  # step 8
+        copy_s = time.perf_counter() - t0
+        sent = w.sent.popleft()
+        t.regions.observed(batch, packing.region_size(packed))
+        t._end(sent)
+        slot.batches.popleft()
+        slot.tasks_done += 1
+        slot.incarnation_done += 1
+        slot.rss = msg.rss or slot.rss
+        d.task_s = msg.run_s if d.task_s is None else 0.9 * d.task_s + 0.1 * msg.run_s
+        ledger.delivered(task, Timings(max(task.dispatched_at - task.accepted_at, 0.0), task.copy_in_s + copy_s,
+                                       msg.run_s, now - task.accepted_at))
+        if msg.in_place:
+            ledger.count(Counter.OUTPUTS_IN_PLACE, msg.in_place)
+        d.end_batch(batch)
+        d._after_batch(slot, now)
+        self.fast.served += 1
+        self.fast.give_back(lend)
+        if len(self.queue) or not self.queue.hungry:  # (as FastPath.step, after a Done)
+            d.dispatch(now)
+            self.fast._tell_owner(now)
+        ledger.flush()
+        return outputs

@@ -1,0 +1,55 @@
+"""An initializer for the express lane's tests (engine.local.express): the express lane takes
+only plain inputs (no preprocess, no FaultSpec), so a fault is carried by the input's own
+data: the session's run of an input whose first value is a marker dies there, in the run
+itself, the way native code dies under a worker.
+
+    KILL  SIGKILL, once        EXIT0  os._exit(0), once        SEGV  SIGSEGV, once
+    ALWAYS  SIGKILL every time (a poison input)                HANG  waits for <dir>/open
+
+"Once" is a file in `directory` made before the death (O_EXCL), so the replay runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+KILL, EXIT0, SEGV, ALWAYS, HANG = -1001.0, -1002.0, -1003.0, -1004.0, -1005.0
+
+
+def die_on_marker(directory: str) -> None:
+    """Initializer (runs in each worker before its session is built)."""
+    from slabpool.workers import ort
+
+    for name in ("run", "run_into"):
+        original = getattr(ort.OrtSession, name)
+        setattr(ort.OrtSession, name, _marked(original, directory))
+
+
+def _marked(original: Any, directory: str) -> Any:
+    def run(self: Any, feeds: dict[str, Any], *args: Any, **kw: Any) -> Any:
+        first = float(next(iter(feeds.values())).flat[0])
+        if first == ALWAYS:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if first == HANG:
+            open(os.path.join(directory, "started"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(directory, "open")) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        if first in (KILL, EXIT0, SEGV) and _first_time(directory, first):
+            if first == EXIT0:
+                os._exit(0)
+            os.kill(os.getpid(), signal.SIGKILL if first == KILL else signal.SIGSEGV)
+        return original(self, feeds, *args, **kw)
+
+    return run
+
+
+def _first_time(directory: str, marker: float) -> bool:
+    try:
+        os.close(os.open(os.path.join(directory, f"died{marker}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

@@ -1,0 +1,221 @@
+"""The express lane (engine.local.express, issue 21): an idle engine's `infer()` of plain
+inputs skips the queue's and the dispatcher's choosing and goes straight to an idle slot lent
+to its caller, with the same records as any call (a Task on a slot, in the ledger, its input
+lease, the lend). So every guarantee holds on it as on any call: a worker that dies in the
+run replays the call once (SIGKILL, SIGSEGV, os._exit(0)); an input that kills worker after
+worker is quarantined; task_timeout and close(timeout=) end it with their errors; calls from
+many threads each get their own row's outputs; the books balance and nothing is left leased.
+
+Faults ride on the input's data (tests/express_hooks.py: the session's run of a marked input
+dies), since the express lane takes no preprocess and no FaultSpec. Real workers, real
+signals; the waits only catch deadlocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slabpool import Engine
+from slabpool.engine.core import fastpath
+from slabpool.workers.errors import PoisonTask, TaskCancelled, TaskTimeout
+from tests import express_hooks as H
+from tests.reference import ort_run
+
+HOOK = "tests.express_hooks:die_on_marker"
+ROWS = np.random.default_rng(11).standard_normal((64, 16)).astype(np.float32)
+
+
+def _lane(eng: Engine) -> Any:
+    return eng._express  # type: ignore[attr-defined]
+
+
+def _until(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.002)
+
+
+def _row(i: int, marker: float | None = None) -> np.ndarray:
+    x = ROWS[i : i + 1].copy()
+    if marker is not None:
+        x[0, 0] = marker
+    return x
+
+
+def test_idle_calls_take_the_express_lane_with_the_sessions_own_bytes(models):
+    """Dict and bare-array inputs, one model of two inputs of two dtypes and two outputs:
+    after the first call of a signature (the door checks it once), every idle call goes the
+    express lane; outputs byte-identical to an in-process session; the books balance."""
+    feeds = {"feats": np.arange(8, dtype=np.float32).reshape(2, 4), "ids": np.array([3, -1], dtype=np.int64)}
+    with Engine(models.multi_io, workers=2) as eng:
+        got = [eng.infer(feeds) for _ in range(10)]
+        taken = _lane(eng).taken
+        st = eng.stats()
+    want = ort_run(models.multi_io, feeds)
+    assert taken == 9  # (the first checks the signature, through the general path)
+    for g in got:
+        assert set(g) == set(want) and all(g[k].tobytes() == want[k].tobytes() for k in want)
+    assert (st.accepted, st.completed, st.failed) == (10, 10, 0)
+    assert st.shm_inputs_used == 0
+    with Engine(models.mlp, workers=1) as eng:
+        out = [eng.infer(_row(i))["probs"] for i in range(5)]
+        taken = _lane(eng).taken
+    assert taken == 4
+    for i, o in enumerate(out):
+        assert o.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes()
+
+
+@pytest.mark.parametrize("marker", [H.KILL, H.SEGV, H.EXIT0], ids=["sigkill", "sigsegv", "exit0"])
+def test_a_worker_that_dies_in_an_express_call_replays_it_once(models, tmp_path, start_method, marker):
+    """The worker dies inside the run of an express call: the call still returns its own
+    row's outputs (replayed once on the rebuilt slot), counted once; later calls go the
+    express lane again."""
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),),
+                start_method=start_method) as eng:
+        eng.infer(_row(0))
+        before = _lane(eng).taken
+        got = eng.infer(_row(1, marker))["probs"]
+        assert _lane(eng).taken == before + 1  # (the call that died went the express lane)
+        after = [eng.infer(_row(i))["probs"] for i in range(2, 6)]
+        taken = _lane(eng).taken - before - 1
+        st = eng.stats()
+    assert got.tobytes() == ort_run(models.mlp, {"x": _row(1, marker)})["probs"].tobytes()
+    assert all(a.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes() for i, a in zip(range(2, 6), after))
+    assert taken >= 1
+    assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (6, 6, 0, 1, 1)
+    assert st.shm_inputs_used == 0
+
+
+def test_an_input_that_kills_every_worker_on_the_express_lane_is_quarantined(models, tmp_path):
+    """A poison input: each worker that runs it dies; after max_attempts deaths it fails alone
+    with PoisonTask naming them, and the engine serves on through the express lane."""
+    with Engine(models.mlp, workers=2, max_attempts=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(_row(0))
+        with pytest.raises(PoisonTask) as err:
+            eng.infer(_row(1, H.ALWAYS))
+        after = eng.infer(_row(2))["probs"]  # (both slots may still be starting: the general way)
+        _until(lambda: all(s.state.name == "READY" for s in eng._owner.slots), "both slots rebuilt")  # type: ignore[attr-defined]
+        before = _lane(eng).taken
+        again = eng.infer(_row(3))["probs"]
+        lane = _lane(eng).taken - before
+        st = eng.stats()
+    assert len(err.value.crashes) == 2
+    assert after.tobytes() == ort_run(models.mlp, {"x": _row(2)})["probs"].tobytes()
+    assert again.tobytes() == ort_run(models.mlp, {"x": _row(3)})["probs"].tobytes()
+    assert lane == 1
+    assert (st.quarantined, st.failed, st.completed, st.restarts) == (1, 1, 3, 2)
+
+
+def test_task_timeout_ends_a_hung_express_call(models, tmp_path, monkeypatch):
+    """An express call hangs in its run: the owner thread's timer kills the slot, the caller
+    (told: the guard poll is off) gets TaskTimeout; the engine serves on."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
+    with Engine(models.mlp, workers=1, task_timeout=0.5, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(_row(0))
+        before = _lane(eng).taken
+        with pytest.raises(TaskTimeout):
+            eng.infer(_row(1, H.HANG))
+        assert _lane(eng).taken == before + 1
+        after = eng.infer(_row(2))["probs"]
+        st = eng.stats()
+    assert after.shape == (1, 8)
+    assert (st.timeouts, st.failed, st.completed, st.restarts) == (1, 1, 2, 1)
+
+
+def test_close_with_a_timeout_cancels_an_express_call(models, tmp_path, monkeypatch):
+    """close(timeout=) runs out while an express call hangs: the call ends with TaskCancelled,
+    the worker is stopped, nothing is left leased."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
+    eng = Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(tmp_path),))
+    eng.infer(_row(0))
+    out: list[Any] = []
+
+    def call() -> None:
+        try:
+            out.append(eng.infer(_row(1, H.HANG)))
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    _until(lambda: (tmp_path / "started").exists(), "the express call runs")
+    assert _lane(eng).taken == 1
+    eng.close(timeout=0.3)
+    t.join(60)
+    assert not t.is_alive() and isinstance(out[0], TaskCancelled)
+    st = eng.stats()
+    assert (st.cancelled, st.completed) == (1, 1)
+
+
+def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_path):
+    """8 threads calling at once, with a worker killed in the middle: the express lane takes
+    the calls that find a slot idle, the others queue; every call gets its own row's outputs
+    exactly once, the books balance in tasks and items."""
+    want = ort_run(models.mlp, {"x": ROWS})["probs"]
+    got: dict[tuple[int, int], np.ndarray] = {}
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(_row(0))
+
+        def caller(k: int) -> None:
+            for j in range(40):
+                i = (k * 40 + j) % len(ROWS)
+                marker = H.KILL if (k, j) == (3, 20) else None
+                got[(k, j)] = eng.infer(_row(i, marker))["probs"]
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        taken = _lane(eng).taken
+        st = eng.stats()
+    assert len(got) == 320
+    for (k, j), g in got.items():
+        i = (k * 40 + j) % len(ROWS)
+        ref = ort_run(models.mlp, {"x": _row(i, H.KILL)})["probs"] if (k, j) == (3, 20) else want[i : i + 1]
+        assert g.tobytes() == ref.tobytes()
+    assert taken >= 1
+    assert (st.accepted, st.completed, st.failed, st.restarts) == (321, 321, 0, 1)
+    assert st.items_accepted == st.items_completed == 321
+    assert st.shm_inputs_used == 0
+
+
+def test_what_the_express_lane_leaves_to_the_general_path(models):
+    """A context, a preprocess, a deadline, inputs past EXPRESS_MAX_BYTES, a signature the door
+    has not checked yet: each goes the general way, with the same outputs."""
+    from slabpool.engine.local.express import EXPRESS_MAX_BYTES
+
+    with Engine(models.mlp, workers=1) as eng:
+        eng.infer(_row(0))
+        a = eng.infer(_row(0), context={"k": 1})["probs"]
+        b = eng.infer(_row(0), deadline=30.0)["probs"]
+        big = np.repeat(ROWS, EXPRESS_MAX_BYTES // ROWS.nbytes + 1, axis=0)
+        c = eng.infer(big)["probs"]
+        assert _lane(eng).taken == 0
+        d = eng.infer(_row(0))["probs"]
+        assert _lane(eng).taken == 1
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:to_feeds") as eng:
+        eng.infer({"x": _row(0)})
+        eng.infer({"x": _row(0)})
+        assert _lane(eng).taken == 0
+    want = ort_run(models.mlp, {"x": _row(0)})["probs"]
+    assert a.tobytes() == b.tobytes() == d.tobytes() == want.tobytes()
+    assert c.tobytes() == ort_run(models.mlp, {"x": big})["probs"].tobytes()
+
+
+def test_a_leftover_run_of_many_workers_leaves_no_lease_and_no_lend(models):
+    """The express lane across slots: each call goes to an idle slot; after many, nothing is
+    lent or leased, each slot has served some."""
+    with Engine(models.mlp, workers=2) as eng:
+        for i in range(50):
+            eng.infer(_row(i % len(ROWS)))
+        st = eng.stats()
+        assert not eng._owner.fast.lent  # type: ignore[attr-defined]
+    assert st.shm_inputs_used == 0 and st.completed == 50
