@@ -6,7 +6,8 @@ itself, the way native code dies under a worker.
     KILL  SIGKILL, once        EXIT0  os._exit(0), once        SEGV  SIGSEGV, once
     ALWAYS  SIGKILL every time (a poison input)                HANG  waits for <dir>/open
 
-"Once" is a file in `directory` made before the death (O_EXCL), so the replay runs.
+"Once" is a file in `directory` made before the death (O_EXCL), so the replay runs; it is
+named by the marker and the input's second value, so a test can mark a fresh call again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def die_on_marker(directory: str) -> None:
 
 def _marked(original: Any, directory: str) -> Any:
     def run(self: Any, feeds: dict[str, Any], *args: Any, **kw: Any) -> Any:
-        first = float(next(iter(feeds.values())).flat[0])
+        x = next(iter(feeds.values()))
+        first = float(x.flat[0])
         if first == ALWAYS:
             os.kill(os.getpid(), signal.SIGKILL)
         if first == HANG:
@@ -38,7 +40,7 @@ def _marked(original: Any, directory: str) -> Any:
             deadline = time.monotonic() + 60
             while not os.path.exists(os.path.join(directory, "open")) and time.monotonic() < deadline:
                 time.sleep(0.002)
-        if first in (KILL, EXIT0, SEGV) and _first_time(directory, first):
+        if first in (KILL, EXIT0, SEGV) and _first_time(directory, f"{first}-{float(x.flat[1])}"):
             if first == EXIT0:
                 os._exit(0)
             os.kill(os.getpid(), signal.SIGKILL if first == KILL else signal.SIGSEGV)
@@ -47,7 +49,7 @@ def _marked(original: Any, directory: str) -> Any:
     return run
 
 
-def _first_time(directory: str, marker: float) -> bool:
+def _first_time(directory: str, marker: str) -> bool:
     try:
         os.close(os.open(os.path.join(directory, f"died{marker}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

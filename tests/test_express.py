@@ -13,6 +13,7 @@ signals; the waits only catch deadlocks.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from slabpool.engine.core import fastpath
 from slabpool.workers.errors import PoisonTask, TaskCancelled, TaskTimeout
 from tests import express_hooks as H
 from tests.reference import ort_run
+from tests.test_fastpath import _owner_asleep
 
 HOOK = "tests.express_hooks:die_on_marker"
 ROWS = np.random.default_rng(11).standard_normal((64, 16)).astype(np.float32)
@@ -42,11 +44,41 @@ def _until(cond: Any, what: str) -> None:
         time.sleep(0.002)
 
 
-def _row(i: int, marker: float | None = None) -> np.ndarray:
+def _row(i: int, marker: float | None = None, tag: int = 0) -> np.ndarray:
     x = ROWS[i : i + 1].copy()
     if marker is not None:
-        x[0, 0] = marker
+        x[0, 0], x[0, 1] = marker, tag  # (tag: a marked call that dies once, again)
     return x
+
+
+def _express_run(eng: Engine, calls: Any) -> Any:
+    """`calls()` with every call of it through the express lane: the owner thread asleep
+    first. Its first express call may set the owner's next timer (a stall check ~10 s out)
+    and wake it once, and a call that comes while the owner steps goes the general way: then
+    again (a deadlock guard of 20 tries, not a timing)."""
+    for _ in range(20):
+        _owner_asleep(eng)
+        before = _lane(eng).taken
+        got = calls()
+        if _lane(eng).taken - before == len(got):
+            return got
+    raise AssertionError("the calls never all went the express lane in 20 tries")
+
+
+def _marked_express_call(eng: Engine, marker: float, call: Any, prepare: Any = None) -> tuple[Any, int]:
+    """`call(x)` of a marked row that goes the express lane (after `prepare()`): the owner
+    thread asleep first (on a loaded machine it may wake meanwhile, and then the call goes the
+    general way, where its worker dies too: another tag, another try). Its outputs and the
+    tries made."""
+    for tag in range(20):
+        if prepare is not None:
+            prepare()
+        _owner_asleep(eng)
+        before = _lane(eng).taken
+        got = call(_row(1, marker, tag))
+        if _lane(eng).taken == before + 1:
+            return got, tag + 1
+    raise AssertionError("no marked call went the express lane in 20 tries")
 
 
 def test_idle_calls_take_the_express_lane_with_the_sessions_own_bytes(models):
@@ -55,19 +87,18 @@ def test_idle_calls_take_the_express_lane_with_the_sessions_own_bytes(models):
     express lane; outputs byte-identical to an in-process session; the books balance."""
     feeds = {"feats": np.arange(8, dtype=np.float32).reshape(2, 4), "ids": np.array([3, -1], dtype=np.int64)}
     with Engine(models.multi_io, workers=2) as eng:
-        got = [eng.infer(feeds) for _ in range(10)]
-        taken = _lane(eng).taken
+        got = [eng.infer(feeds)]
+        assert _lane(eng).taken == 0  # (the first checks the signature, through the general path)
+        got += _express_run(eng, lambda: [eng.infer(feeds) for _ in range(9)])
         st = eng.stats()
     want = ort_run(models.multi_io, feeds)
-    assert taken == 9  # (the first checks the signature, through the general path)
     for g in got:
         assert set(g) == set(want) and all(g[k].tobytes() == want[k].tobytes() for k in want)
-    assert (st.accepted, st.completed, st.failed) == (10, 10, 0)
+    assert st.accepted == st.completed == len(got) and st.failed == 0
     assert st.shm_inputs_used == 0
     with Engine(models.mlp, workers=1) as eng:
-        out = [eng.infer(_row(i))["probs"] for i in range(5)]
-        taken = _lane(eng).taken
-    assert taken == 4
+        out = [eng.infer(_row(0))["probs"]]
+        out += _express_run(eng, lambda: [eng.infer(_row(i))["probs"] for i in range(1, 5)])[-4:]
     for i, o in enumerate(out):
         assert o.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes()
 
@@ -80,16 +111,17 @@ def test_a_worker_that_dies_in_an_express_call_replays_it_once(models, tmp_path,
     with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),),
                 start_method=start_method) as eng:
         eng.infer(_row(0))
+        got, tries = _marked_express_call(eng, marker, lambda x: eng.infer(x)["probs"])
+        _until(lambda: all(s.state.name == "READY" for s in eng._owner.slots), "the slot rebuilt")  # type: ignore[attr-defined]
         before = _lane(eng).taken
-        got = eng.infer(_row(1, marker))["probs"]
-        assert _lane(eng).taken == before + 1  # (the call that died went the express lane)
         after = [eng.infer(_row(i))["probs"] for i in range(2, 6)]
-        taken = _lane(eng).taken - before - 1
+        taken = _lane(eng).taken - before
         st = eng.stats()
-    assert got.tobytes() == ort_run(models.mlp, {"x": _row(1, marker)})["probs"].tobytes()
+    assert got.tobytes() == ort_run(models.mlp, {"x": _row(1, marker, tries - 1)})["probs"].tobytes()
     assert all(a.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes() for i, a in zip(range(2, 6), after))
     assert taken >= 1
-    assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (6, 6, 0, 1, 1)
+    calls = 1 + tries + 4
+    assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (calls, calls, 0, tries, tries)
     assert st.shm_inputs_used == 0
 
 
@@ -102,6 +134,7 @@ def test_an_input_that_kills_every_worker_on_the_express_lane_is_quarantined(mod
             eng.infer(_row(1, H.ALWAYS))
         after = eng.infer(_row(2))["probs"]  # (both slots may still be starting: the general way)
         _until(lambda: all(s.state.name == "READY" for s in eng._owner.slots), "both slots rebuilt")  # type: ignore[attr-defined]
+        _owner_asleep(eng)
         before = _lane(eng).taken
         again = eng.infer(_row(3))["probs"]
         lane = _lane(eng).taken - before
@@ -119,6 +152,7 @@ def test_task_timeout_ends_a_hung_express_call(models, tmp_path, monkeypatch):
     monkeypatch.setattr(fastpath, "POLL_S", 600.0)
     with Engine(models.mlp, workers=1, task_timeout=0.5, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
         eng.infer(_row(0))
+        _owner_asleep(eng)
         before = _lane(eng).taken
         with pytest.raises(TaskTimeout):
             eng.infer(_row(1, H.HANG))
@@ -143,6 +177,7 @@ def test_close_with_a_timeout_cancels_an_express_call(models, tmp_path, monkeypa
         except BaseException as exc:
             out.append(exc)
 
+    _owner_asleep(eng)
     t = threading.Thread(target=call)
     t.start()
     _until(lambda: (tmp_path / "started").exists(), "the express call runs")
@@ -199,6 +234,7 @@ def test_what_the_express_lane_leaves_to_the_general_path(models):
         big = np.repeat(ROWS, EXPRESS_MAX_BYTES // ROWS.nbytes + 1, axis=0)
         c = eng.infer(big)["probs"]
         assert _lane(eng).taken == 0
+        _owner_asleep(eng)
         d = eng.infer(_row(0))["probs"]
         assert _lane(eng).taken == 1
     with Engine(models.mlp, workers=1, preprocess="tests.hooks:to_feeds") as eng:
@@ -219,3 +255,106 @@ def test_a_leftover_run_of_many_workers_leaves_no_lease_and_no_lend(models):
         st = eng.stats()
         assert not eng._owner.fast.lent  # type: ignore[attr-defined]
     assert st.shm_inputs_used == 0 and st.completed == 50
+
+
+# -- infer_async: the same lane, lent to the event loop ---------------------------------------------
+
+
+def test_async_calls_one_at_a_time_take_the_express_lane(models):
+    """A loop calling infer_async one call at a time: after two calm calls every call goes the
+    express lane, lent to the loop (a reader on its pipe); outputs byte-identical; the books
+    balance and no descriptor or lease is left."""
+
+    loop = asyncio.new_event_loop()
+
+    def calls() -> list[np.ndarray]:
+        return [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(12)]
+
+    try:
+        with Engine(models.mlp, workers=2) as eng:
+            calls()  # (the first call checks the signature; a loop is lent after two calm calls)
+            got = _express_run(eng, calls)
+            st = eng.stats()
+            assert not eng._owner.fast.lent  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+    assert all(g.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes() for i, g in enumerate(got))
+    assert st.accepted == st.completed and st.shm_inputs_used == 0
+
+
+@pytest.mark.parametrize("marker", [H.KILL, H.EXIT0], ids=["sigkill", "exit0"])
+def test_a_worker_that_dies_in_an_async_express_call_replays_it_once(models, tmp_path, marker):
+    """The same on an event loop: the lend is the loop's (two calm calls first), the death
+    the owner thread's to see; the awaiting call gets its row's outputs, once."""
+    loop = asyncio.new_event_loop()
+
+    def calm() -> None:  # (two calm calls: the loop calls one at a time)
+        for i in range(2):
+            loop.run_until_complete(eng.infer_async(_row(i)))
+
+    def call(x: np.ndarray) -> np.ndarray:
+        return loop.run_until_complete(eng.infer_async(x))["probs"]
+
+    try:
+        with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+            eng.infer(_row(0))
+            died, tries = _marked_express_call(eng, marker, call, calm)
+            after = [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(4, 8)]
+            st = eng.stats()
+    finally:
+        loop.close()
+    assert died.tobytes() == ort_run(models.mlp, {"x": _row(1, marker, tries - 1)})["probs"].tobytes()
+    assert all(a.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes() for i, a in zip(range(4, 8), after))
+    calls = 1 + 3 * tries + 4
+    assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (calls, calls, 0, tries, tries)
+
+
+def test_an_async_express_call_cancelled_while_it_runs_ends_once(models, tmp_path, monkeypatch):
+    """The coroutine awaiting an express call is cancelled while the run hangs: the task ends
+    cancelled (once: its late answer is dropped), the lend goes back, the slot serves on."""
+    monkeypatch.setattr(fastpath, "POLL_S", 600.0)
+
+    async def scenario(eng: Engine) -> tuple[int, np.ndarray]:
+        for i in range(3):
+            await eng.infer_async(_row(i))
+        _owner_asleep(eng)
+        before = _lane(eng).taken
+        call = asyncio.ensure_future(eng.infer_async(_row(3, H.HANG)))
+        while not (tmp_path / "started").exists():
+            await asyncio.sleep(0.002)
+        lane = _lane(eng).taken - before
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        while eng.stats().cancelled != 1:
+            await asyncio.sleep(0.002)
+        (tmp_path / "open").touch()
+        return lane, (await eng.infer_async(_row(4)))["probs"]
+
+    with Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        lane, after = asyncio.run(scenario(eng))
+        _until(lambda: eng.stats().completed == 4, "the books balance")
+        st = eng.stats()
+        assert not eng._owner.fast.lent  # type: ignore[attr-defined]
+    assert lane == 1
+    assert after.tobytes() == ort_run(models.mlp, {"x": _row(4)})["probs"].tobytes()
+    assert (st.accepted, st.completed, st.cancelled, st.failed) == (5, 4, 1, 0)
+
+
+def test_a_gather_of_async_calls_with_a_kill_gets_every_rows_outputs_once(models, tmp_path):
+    """40 calls gathered on one loop, one of them killing its worker: the first goes the
+    express lane, the rest queue; each gets its own row's outputs, the books balance."""
+
+    async def scenario(eng: Engine) -> list[Any]:
+        for i in range(3):
+            await eng.infer_async(_row(i))
+        return list(await asyncio.gather(*[eng.infer_async(_row(i % len(ROWS), H.KILL if i == 0 else None))
+                                           for i in range(40)]))
+
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        got = asyncio.run(scenario(eng))
+        st = eng.stats()
+    for i, g in enumerate(got):
+        ref = ort_run(models.mlp, {"x": _row(i % len(ROWS), H.KILL if i == 0 else None)})["probs"]
+        assert g["probs"].tobytes() == ref.tobytes()
+    assert (st.accepted, st.completed, st.failed, st.restarts) == (43, 43, 0, 1)

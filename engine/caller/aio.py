@@ -35,7 +35,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from slabpool.engine.core.fastpath import Lender
 from slabpool.workers.errors import QueueFull, TaskCancelled
@@ -66,6 +66,25 @@ class _Host(Protocol):
     def cancel(self, future: Future[Result], *, kill: bool = ...) -> bool: ...
 
     def close(self, *, cancel_pending: bool = ..., timeout: float | None = ...) -> None: ...
+
+
+async def infer_async(eng: _Host, inputs: Any, kw: dict[str, Any]) -> Any:
+    """`BaseEngine.infer_async()`: the outputs. A local engine's express lane takes an idle
+    engine's call of plain inputs on the loop thread (engine.local.express), unless earlier
+    calls still wait on the admission lane (they were accepted first); else `submit_async`."""
+    express = getattr(eng, "_express", None)
+    if express is not None and not kw:
+        lanes = _all_lanes.get(eng)
+        if lanes is None or not lanes.admit.backlog:
+            got = express.call_async(eng, inputs, asyncio.get_running_loop())
+            if got is not None:
+                fut, waiter = got
+                try:
+                    return await waiter
+                except asyncio.CancelledError:
+                    _cancel_task(eng, fut)
+                    raise
+    return (await submit_async(eng, inputs, **kw)).outputs
 
 
 async def submit_async(
@@ -99,7 +118,7 @@ async def map_async(
     try:
         async for index, item in _enumerate(_aiter(items)):
             fut = await _admit(eng, loop, item, context, None, None)
-            held.append((fut, _bridge(loop, fut), index))
+            held.append((fut, bridge(loop, fut), index))
             if len(held) >= window:
                 yield await _head(held, return_exceptions)
         while held:
@@ -196,20 +215,21 @@ def _nbytes(inputs: Any, depth: int = 2) -> int:
 # -- waiting and cancelling (B, C) --------------------------------------------------------------
 
 
-def _bridge(loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> asyncio.Future[Result]:
-    """An asyncio future that the engine's Future completes, through call_soon_threadsafe.
+def bridge(loop: asyncio.AbstractEventLoop, fut: Future[Result], outputs: bool = False) -> asyncio.Future[Any]:
+    """An asyncio future that the engine's Future completes, through call_soon_threadsafe:
+    with its Result, or (`outputs`) with the Result's outputs.
 
     A Future cancelled by someone else (`eng.cancel`, `close`) ends it with TaskCancelled,
     never with asyncio.CancelledError: that one means "this coroutine was cancelled"."""
-    waiter: asyncio.Future[Result] = loop.create_future()
+    waiter: asyncio.Future[Any] = loop.create_future()
     loop_thread = threading.get_ident()  # (made on the loop's thread)
 
     def relay(done: Future[Result]) -> None:
         if threading.get_ident() == loop_thread:  # completed on the loop itself (a lent slot)
-            _settle(waiter, done)
+            _settle(waiter, done, outputs)
             return
         try:
-            loop.call_soon_threadsafe(_settle, waiter, done)
+            loop.call_soon_threadsafe(_settle, waiter, done, outputs)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
 
@@ -217,7 +237,7 @@ def _bridge(loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> asyncio.Fut
     return waiter
 
 
-def _settle(waiter: asyncio.Future[Result], done: Future[Result]) -> None:
+def _settle(waiter: asyncio.Future[Any], done: Future[Result], outputs: bool = False) -> None:
     if waiter.done():
         return
     if done.cancelled():
@@ -227,16 +247,16 @@ def _settle(waiter: asyncio.Future[Result], done: Future[Result]) -> None:
     elif (exc := done.exception()) is not None:
         waiter.set_exception(exc)
     else:
-        waiter.set_result(done.result())
+        waiter.set_result(done.result().outputs if outputs else done.result())
 
 
 async def _await_task(eng: _Host, loop: asyncio.AbstractEventLoop, fut: Future[Result]) -> Result:
-    waiter = _bridge(loop, fut)
+    waiter = bridge(loop, fut)
     lend = getattr(fut, "lend", None)
     if lend is not None:
         _watch_lend(loop, lend)
     try:
-        return await waiter
+        return cast("Result", await waiter)
     except asyncio.CancelledError:
         _cancel_task(eng, fut)
         raise
@@ -246,7 +266,7 @@ def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
     """The loop is the lender of a slot (engine.core.fastpath.Lend): the worker's answer
     wakes the loop itself (a reader on the dup of the slot's pipe) and the loop runs steps 8-9
     (`Lend.look`, which never waits for the owner lock). The Future then completes on the loop
-    thread and `_bridge` settles the waiter at once. The owner ends a lend through `wake`
+    thread and `bridge` settles the waiter at once. The owner ends a lend through `wake`
     (call_soon_threadsafe): the reader goes, and the Future completes as any other. It does
     not depend on the awaiting coroutine: cancelled, the task ends here all the same."""
     fd, watched = lend.fd, [True]

@@ -351,9 +351,7 @@ class BaseEngine:
     async def infer_async(self, inputs: Any, **kw: Any) -> Outputs:
         """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
         what it returned)."""
-        result = await aio.submit_async(self, inputs, **kw)  # one call, not two, per task
-        outputs: Outputs = result.outputs
-        return outputs
+        return cast(Outputs, await aio.infer_async(self, inputs, kw))  # one call, not two, per task
 
     @overload
     def map_async(

@@ -24,11 +24,16 @@ take this lane (the copy runs under the owner lock).
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import select
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from slabpool.engine.caller import aio
 from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.admission import Counter
@@ -37,6 +42,7 @@ from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task, Timings
 from slabpool.engine.local.staged import Staged
+from slabpool.shm.alloc import align_up
 from slabpool.workers import contract, packing
 from slabpool.workers.protocol import BatchDone, FlatSkeleton, decode
 
@@ -55,14 +61,50 @@ class Express:
         self.co, self.fast, self.lock = co, co.fast, co.fast.lock
         self.queue, self.ledger, self.dispatcher, self.slots = eng._queue, co.ledger, co.dispatcher, co.slots
         self.arena, self.transport = eng._inputs, eng._transport
+        self._dtypes: dict[str, np.dtype[Any]] = {}
         cfg = eng.config
         self.on = self.fast.enabled and cfg.preprocess is None and cfg.postprocess is None
+        # a dispatch here sets no timer sooner than this (a stall, task_timeout: FastPath._tell_owner)
+        self.horizon = min(cfg.stall_after, cfg.task_timeout if cfg.task_timeout is not None else math.inf)
         self._layouts: dict[tuple[Any, ...], tuple[Any, list[int], int] | None] = {}
         self.taken = 0  # calls accepted through this lane (stats for tests and bench.latency)
 
     def call(self, eng: Engine, inputs: Any) -> Any:
         """The outputs of `infer(inputs)` taken through the express lane; None when it does not
         take it (nothing was accepted: the caller goes the general way)."""
+        fut = self._take(eng, inputs, loop=False)
+        if fut is None:
+            return None
+        lend = fut.lend
+        if lend is None:
+            interrupts.leave()
+            return fut.result().outputs
+        return self._wait(lend, fut)
+
+    def call_async(self, eng: Engine, inputs: Any,
+                   loop: asyncio.AbstractEventLoop) -> tuple[TaskFuture, asyncio.Future[Any]] | None:
+        """`infer_async(inputs)` through the express lane: its task's Future and the asyncio
+        future of its outputs, or None (nothing accepted). The slot is lent to the loop: a
+        reader on its pipe runs the same step on the loop thread, which never waits for the
+        owner lock (held: the lend goes back to the owner thread, FastPath.abandon)."""
+        fut = self._take(eng, inputs, loop=True)
+        if fut is None:
+            return None
+        lend = fut.lend
+        try:
+            interrupts.leave()
+        except KeyboardInterrupt:
+            if lend is not None:
+                self.fast.forsake_lend(lend)
+            raise
+        waiter = aio.bridge(loop, fut, outputs=True)  # (off the happy path its Future completes)
+        if lend is not None:
+            self._watch(loop, lend, waiter)
+        return fut, waiter
+
+    def _take(self, eng: Engine, inputs: Any, loop: bool) -> TaskFuture | None:
+        """Steps 1-4 if the lane takes this call: its Future (`lend`: the slot lent to it), in
+        the Ctrl-C stretch that the wait ends; None, nothing accepted, no stretch."""
         if not self.on or not self.fast.enabled:
             return None
         inputs = contract.one_input(inputs, eng._specs)
@@ -76,16 +118,12 @@ class Express:
         if lay is None:
             return None
         interrupts.enter()  # (from the accept to the lend's wait a Ctrl-C waits: engine.core.interrupts)
-        fut = self._dispatch(eng, inputs, known, lay)
+        fut = self._dispatch(eng, inputs, known, lay, loop)
         if fut is None:
             interrupts.leave()
             return None
         self.taken += 1
-        lend = fut.lend
-        if lend is None:
-            interrupts.leave()
-            return fut.result().outputs
-        return self._wait(lend, fut)
+        return fut
 
     def _learn(self, sig: tuple[Any, ...], inputs: dict[Any, Any]) -> tuple[Any, list[int], int] | None:
         skeleton, arrays = packing.split(inputs)
@@ -97,13 +135,24 @@ class Express:
         return lay
 
     def _dispatch(self, eng: Engine, inputs: dict[Any, Any], known: tuple[Any, int],
-                  lay: tuple[Any, list[int], int]) -> TaskFuture | None:
+                  lay: tuple[Any, list[int], int], loop: bool) -> TaskFuture | None:
         """Steps 2-4 under the owner lock, if it is free and a slot is idle; the Future (its
-        `lend` the slot lent to this thread), or None: nothing accepted."""
+        `lend` the slot lent to this thread), or None: nothing accepted.
+
+        An event loop is lent a slot only when nothing else of the engine is in flight, and
+        was not at its last call either (`FastPath.loop_calm`, as FastPath._idle: a loop that
+        serves waves of requests would hold a lent slot idle until it looks)."""
         if not self.lock.try_own():
+            if loop:
+                self.fast.loop_calm = False
             return None
         try:
             slot = self._idle_slot()
+            if loop:
+                fast = self.fast
+                calm, fast.loop_calm = fast.loop_calm, slot is not None and not (fast.lent or self.ledger.in_flight())
+                if not (calm and fast.loop_calm):
+                    return None
             if slot is None:
                 return None
             skeleton, offsets, nbytes = lay
@@ -150,7 +199,8 @@ class Express:
                 fast.give_back(lend)  # (its batch was not sent: Unsendable)
                 lend = None
             fut.lend = lend
-            fast._tell_owner(now)
+            if now + self.horizon < fast.sleep_until:  # (the owner wakes before any timer this sets)
+                fast._tell_owner(now)
             self.ledger.flush()
         except BaseException as exc:
             fast._interrupted(exc)
@@ -213,6 +263,53 @@ class Express:
                 os.close(lend.fd)
         return outputs if outputs is not None else fut.result().outputs
 
+    def _watch(self, loop: asyncio.AbstractEventLoop, lend: Lend, waiter: asyncio.Future[Any]) -> None:
+        """The loop waits on its lent slot: a reader on the dup of its pipe runs `_step` (with
+        the lock if free); the owner ends the lend through `wake` (call_soon_threadsafe)."""
+        fd, watching, fast = lend.fd, [True], self.fast
+
+        def end() -> None:
+            if watching[0]:
+                watching[0] = False
+                loop.remove_reader(fd)
+                os.close(fd)
+                lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
+
+        def look() -> None:
+            if not watching[0]:
+                return
+            if not lend.over:
+                if not self.lock.try_own():
+                    fast.abandon(lend)  # (the owner thread takes it back; the Future completes)
+                    end()
+                    return
+                try:
+                    outputs = self._step(lend, True)
+                except BaseException as exc:
+                    fast._interrupted(exc)
+                    raise
+                finally:
+                    self.lock.let_go()
+                if outputs is not None and not waiter.done():
+                    waiter.set_result(outputs)
+            if lend.over:
+                end()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(look)
+            except RuntimeError:  # the loop is closed: it will never look; its dup of the pipe goes here
+                if watching[0]:
+                    watching[0] = False
+                    os.close(fd)
+                lend.wake = _told
+
+        lend.loop_lend(time.monotonic())
+        lend.wake = wake
+        loop.add_reader(fd, look)
+        if lend.over:
+            look()
+
     def _step(self, lend: Lend, readable: bool) -> Any:
         """Under the lock: the outputs, if the worker's answer was this task's BatchDone alone
         and it ended there; else None after the owner's own step (`FastPath.step`)."""
@@ -232,25 +329,51 @@ class Express:
                 or msg.outcomes[0].error is not None or not w.sent or w.sent[0].batch is not batch
                 or slot.state is not SlotState.BUSY or batch.revoked or task.state is not TaskState.RUNNING
                 or type(getattr(msg.outcomes[0].outputs, "skeleton", None)) is not FlatSkeleton):
-            t.take_frames(w, frames)  # (as the transport's own read would have had them)
-            self.fast.step(lend, False, t.take_events())
-            return None
-        return self._finish(lend, slot, w, msg)
+            return self._general(lend, w, frames)
+        t0 = time.perf_counter()
+        got = self._copy_out(msg.outcomes[0].outputs)  # step 8
+        if got is None:
+            return self._general(lend, w, frames)
+        return self._finish(lend, slot, w, msg, got, time.perf_counter() - t0)
 
-    def _finish(self, lend: Lend, slot: SlotRecord, w: Any, msg: BatchDone) -> Any:
+    def _general(self, lend: Lend, w: Any, frames: list[bytes]) -> None:
+        """What was read, handled as the transport's own read and the owner's step handle it."""
+        self.transport.take_frames(w, frames)
+        self.fast.step(lend, False, self.transport.take_events())
+
+    def _copy_out(self, packed: Any) -> tuple[dict[Any, np.ndarray], int] | None:
+        """Step 8 for a flat dict of small outputs: each copied out of the output arena into an
+        array the caller owns; their region's size. None (nothing changed) for large ones, or
+        no memory for the copies: `delivery.copy_out` then says what failed."""
+        array_at, dtypes = self.transport.outputs.array, self._dtypes
+        outputs: dict[Any, np.ndarray] = {}
+        used = 0
+        try:
+            for name, ref in zip(packed.skeleton, packed.arrays, strict=True):  # (FlatSkeleton: holes in order)
+                dt = dtypes.get(ref.dtype)
+                if dt is None:
+                    dt = dtypes[ref.dtype] = np.dtype(ref.dtype)
+                n = dt.itemsize * math.prod(ref.shape)
+                if n > EXPRESS_MAX_BYTES:
+                    return None
+                outputs[name] = array_at(ref.offset, dt, ref.shape).copy()
+                used = align_up(used + n)
+        except MemoryError:
+            return None
+        return outputs, used
+
+
+    def _finish(self, lend: Lend, slot: SlotRecord, w: Any, msg: BatchDone, got: tuple[dict[Any, np.ndarray], int],
+                copy_s: float) -> Any:
         """Steps 8-9 of the happy path: the outputs copied out, the region and the inputs back,
         the task ended (counted; its Future is not completed: nobody but this call holds it),
         the slot idle and given back; what queued meanwhile dispatched, as after any Done."""
         t, d, ledger = self.transport, self.dispatcher, self.ledger
         batch, task = lend.batch, lend.task
         now = time.monotonic()
-        t0 = time.perf_counter()
-        packed = msg.outcomes[0].outputs
-        assert packed is not None  # (checked by `_step`)
-        outputs = packing.unpack(packed, t.outputs.array, copy=True, items=False)  # step 8
-        copy_s = time.perf_counter() - t0
+        outputs, used = got
         sent = w.sent.popleft()
-        t.regions.observed(batch, packing.region_size(packed))
+        t.regions.observed(batch, used)
         t._end(sent)
         slot.batches.popleft()
         slot.tasks_done += 1
@@ -270,3 +393,7 @@ class Express:
             self.fast._tell_owner(now)
         ledger.flush()
         return outputs
+
+
+def _told() -> None:
+    """A lend's wake once its loop has stopped looking: nothing left to tell."""
