@@ -301,16 +301,17 @@ def encode(msg: Any) -> bytes:
 def decode(data: bytes) -> Any:
     wire = pickle.loads(data)
     kind = wire[0]
-    if kind == _RUN:
+    if kind == _RUN:  # (tuple.__new__: a NamedTuple's own __new__ is a Python call each)
         _, batch_id, stack, off, nbytes, tasks = wire
-        specs = tuple([TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]) for t in tasks])
-        return RunBatch(batch_id, specs, stack, off, nbytes)
+        specs = tuple([_new(TaskSpec, (t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]))
+                       for t in tasks])
+        return _new(RunBatch, (batch_id, specs, stack, off, nbytes))
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire
         outcomes = tuple([
-            Outcome(o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4]) for o in outs
+            _new(Outcome, (o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4])) for o in outs
         ])
-        return BatchDone(batch_id, outcomes, run_s, rss, in_place)
+        return _new(BatchDone, (batch_id, outcomes, run_s, rss, in_place))
     if kind == _GRANT:
         return OutputGrant(*wire[1:])
     if kind == _NEED:
@@ -321,7 +322,7 @@ def decode(data: bytes) -> Any:
 def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
     """(flat, names or skeleton, refs as plain tuples): a dict of arrays sends only its names."""
     sk = p.skeleton
-    refs = tuple([tuple(r) for r in p.arrays])
+    refs = tuple(map(tuple, p.arrays))
     if type(sk) is FlatSkeleton:
         return True, tuple(sk), refs
     if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
@@ -331,8 +332,14 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
 
 
 def _unflat(flat: bool, sk: Any, refs: tuple[tuple[Any, ...], ...]) -> Packed:
-    arrays = tuple([ArrayRef(*r) for r in refs])
-    return Packed(flat_skeleton(sk) if flat else sk, arrays)
+    arrays = tuple(map(_ref, refs))  # each ArrayRef(*r), made in C
+    return _new(Packed, (flat_skeleton(sk) if flat else sk, arrays))
+
+
+# A NamedTuple made from a tuple of all its fields by tuple.__new__ (C, no Python frame): what
+# its own __new__ makes, for a tuple of exactly its fields (decode's own, from encode's)
+_new = tuple.__new__
+_ref = functools.partial(_new, ArrayRef)
 
 
 class FlatSkeleton(dict[Any, Hole]):
