@@ -27,6 +27,7 @@ general path's own code (Worker._run_into).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,15 @@ import numpy as np
 from slabpool.workers import contract, packing
 from slabpool.workers.inplace import Placed, signature
 from slabpool.workers.pipeline import failure
-from slabpool.workers.protocol import ArrayRef, BatchDone, FlatSkeleton, Outcome, Packed, RunBatch
+from slabpool.workers.protocol import (
+    ArrayRef,
+    BatchDone,
+    FlatSkeleton,
+    Outcome,
+    Packed,
+    RemoteError,
+    RunBatch,
+)
 from slabpool.workers.session import RunTimeout
 from slabpool.workers.worklog import task_fields
 
@@ -48,6 +57,8 @@ log = logging.getLogger("slabpool.workers")
 LIMIT = 256  # entries each cache keeps (then starts over: many offsets or shapes)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_new = tuple.__new__  # a NamedTuple of all its fields, made in C (its own __new__ is a Python call)
 
 
 def rss() -> int:
@@ -63,7 +74,7 @@ class LeanPath:
         assert worker.session is not None
         self.w = worker
         self.session, self.planner, self.pipeline = worker.session, worker.planner, worker.pipeline
-        self.status, self.timeout = worker.status, worker.boot.task_timeout
+        self.status, self.timeout, self.timed = worker.status, worker.boot.task_timeout, worker._timed
         self.report_rss = worker.boot.report_rss
         self.array_in, self.array_out = worker.inputs.array, worker.outputs.array
         # ArrayRef tuple -> (skeleton, views by name, the planner's key of them)
@@ -91,30 +102,37 @@ class LeanPath:
                 return None
         _, feeds, key = known
         w, tid = self.w, t.task_id
-        self.pipeline.stage = "preprocess"
-        if w._timed:
+        if self.timed:
             w._hand(tid)
         else:  # (the loop left it IDLE)
             w._in_hand = tid
             self.status[0] = tid
         region = (msg.out_offset, msg.out_nbytes) if msg.out_offset >= 0 else w._granted(msg.batch_id)
-        placed = self.planner.place(region, key) if self.planner is not None else None
+        planner = self.planner
+        placed = planner.place(region, key) if planner is not None else None
         token = task_fields.set({"task_id": tid, "attempt": t.attempt, "stage": "run"})
-        try:
-            out: Any = self._run(feeds, key, placed, tid)
+        try:  # Worker._run_one of a task without a fault, one session call
+            if placed is None:
+                self.pipeline.stage = "run"
+                out: Any = self.session.run(feeds, self.timeout)
+                if planner is not None:
+                    planner.learn_key(key, out)
+            else:
+                out = self._in_place(feeds, placed, tid)
         except Exception as exc:  # noqa: BLE001 - the runtime raised: the task's outcome
             out = failure("run", exc)
         finally:
             task_fields.reset(token)
         run_s = time.perf_counter() - t0
-        if type(out) is dict:
-            outcome = self._write(msg, region, tid, out)
-            in_place = 0
-        elif type(out) is Placed:
-            outcome, in_place = (Outcome(tid, out.packed),), 1
+        kind = type(out)
+        outcomes: tuple[Outcome, ...]
+        if kind is Placed:
+            outcomes, in_place = (_new(Outcome, (tid, out.packed, None)),), 1
+        elif kind is RemoteError:
+            outcomes, in_place = (_new(Outcome, (tid, None, out)),), 0
         else:
-            outcome, in_place = (Outcome(tid, None, out),), 0
-        return BatchDone(msg.batch_id, outcome, run_s, rss() if self.report_rss else 0, in_place)
+            outcomes, in_place = self._write(msg, region, tid, out), 0
+        return _new(BatchDone, (msg.batch_id, outcomes, run_s, rss() if self.report_rss else 0, in_place))
 
     def _view(self, item: Packed) -> tuple[Any, dict[str, np.ndarray], Any] | None:
         """The inputs' views, kept, once their signature has passed the contract; else None."""
@@ -132,44 +150,41 @@ class LeanPath:
         self._inputs[item.arrays] = known
         return known
 
-    def _run(self, feeds: dict[str, np.ndarray], key: Any, placed: Placed | None, tid: int) -> Any:
-        """Worker._run_one of a task without a fault, one session call."""
-        planner = self.planner
-        if placed is not None:
-            try:
-                self.w._run_into(feeds, placed.dests, 0)
-                return placed
-            except RunTimeout:
-                raise
-            except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
-                log.debug("in-place run of task %d failed; running it plainly", tid)
+    def _in_place(self, feeds: dict[str, np.ndarray], placed: Placed, tid: int) -> Any:
+        """The in-place run, or a plain one if it failed (then never in place for these inputs)."""
+        self.pipeline.stage = "preprocess"  # (as the general path leaves it: no pipeline.run)
+        try:
+            self.w._run_into(feeds, placed.dests, 0)
+            return placed
+        except RunTimeout:
+            raise
+        except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
+            log.debug("in-place run of task %d failed; running it plainly", tid)
         self.pipeline.stage = "run"
         out = self.session.run(feeds, self.timeout)
-        if planner is not None:
-            if placed is not None:
-                planner.forget(placed.key)
-            else:
-                planner.learn_key(key, out)
+        assert self.planner is not None
+        self.planner.forget(placed.key)  # the shapes vary with the data: never bind them
         return out
 
-    def _write(self, msg: RunBatch, region: tuple[int, int], tid: int, out: dict[str, Any]) -> tuple[Outcome, ...]:
+    def _write(self, msg: RunBatch, region: tuple[int, int], tid: int, out: Any) -> tuple[Outcome, ...]:
         """Step 7 for a plain run's outputs: into the region it came with, through views
-        made once per place and layout; the general _write otherwise."""
-        try:
-            okey = tuple([(k, type(v), v.dtype, v.shape) for k, v in out.items()])
-        except AttributeError:  # not arrays: the general _write says what they are
-            return self.w._write(msg, region, {tid: out})
-        lay = self._layouts[okey] if okey in self._layouts else self._layout(okey, out)
+        made once per place and layout; else by the general _write."""
+        lay: tuple[FlatSkeleton, list[int], int] | None = None
+        okey: tuple[Any, ...] = ()
+        if type(out) is dict:
+            values = out.values()
+            try:  # (names, classes, (dtype, shape)s): made in C
+                okey = (tuple(out), tuple(map(type, values)), tuple(map(_DTYPE_SHAPE, values)))
+                lay = self._layouts[okey] if okey in self._layouts else self._layout(okey, out)
+            except Exception:  # noqa: BLE001 - not plain arrays: the general _write says what they are
+                lay = None
         base, room = region
         if lay is None or (lay[2] > 0 and (base < 0 or lay[2] > room)):
             return self.w._write(msg, region, {tid: out})
-        made = self._dests.get((base, okey))
-        if made is None:
-            made = self._made(base, okey, lay, list(out.values()))
-        dests, packed = made
-        for dst, a in zip(dests, out.values(), strict=True):
-            np.copyto(dst, a, casting="no")
-        return (Outcome(tid, packed),)
+        dests, packed = self._dests.get((base, okey)) or self._made(base, okey, lay, list(values))
+        for dst, a in zip(dests, values, strict=True):
+            dst[...] = a  # (dtype and shape: those of the key; np.copyto is a Python call)
+        return (_new(Outcome, (tid, packed, None)),)
 
     def _layout(self, okey: tuple[Any, ...], out: dict[str, Any]) -> tuple[FlatSkeleton, list[int], int] | None:
         skeleton, arrays = packing.split(out)
