@@ -70,7 +70,7 @@ def layout_of(outputs: Signature) -> Layout:
 class OutputPlanner:
     def __init__(self, outputs: Mapping, min_bytes: int = 0) -> None:
         self._outputs = outputs
-        self._min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
+        self.min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
         self._layouts: dict[Signature, Layout | None] = {}  # None: output shapes vary
 
     def plan(self, region: tuple[int, int], tasks: list[TaskSpec], feeds: dict[int, Any]) -> dict[int, Placed] | None:
@@ -84,7 +84,7 @@ class OutputPlanner:
         for t in tasks:
             key = signature(feeds[t.task_id])
             lay = self._layouts.get(key)
-            if lay is None or lay.size < self._min_bytes or cursor + lay.size > start + nbytes:
+            if lay is None or lay.size < self.min_bytes or cursor + lay.size > start + nbytes:
                 return None
             keys.append(key)
             layouts.append(lay)
@@ -102,7 +102,7 @@ class OutputPlanner:
         if start < 0:
             return None
         lay = self._layouts.get(key)
-        if lay is None or lay.size < self._min_bytes or lay.size > nbytes:
+        if lay is None or lay.size < self.min_bytes or lay.size > nbytes:
             return None
         return self._placed(start, key, lay)
 

@@ -201,17 +201,19 @@ class Worker:
         self.lean = LeanPath(self) if session is not None and not hooked else None
 
     def loop(self) -> None:
+        lean, reader = self.lean, self.reader
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(self.reader.recv())
+                msg = self.pending.popleft() if self.pending else decode(reader.recv())
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
+                done: BatchDone | bytes | None = None  # (bytes: the lean path's, encoded)
                 try:
-                    if self._revoked(msg.batch_id):
+                    if (self.pending or reader.poll()) and self._revoked(msg.batch_id):
                         done = BatchDone(msg.batch_id, (), 0.0, 0)
                     else:
-                        done = (self.lean.run(msg) if self.lean is not None else None) or self.run_batch(msg)
+                        done = (lean.run(msg) if lean is not None else None) or self.run_batch(msg)
                 except SupervisorGone:
                     raise  # (asking for an output region: nobody reads it any more)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
@@ -220,7 +222,10 @@ class Worker:
                 self.status[0] = IDLE
                 self._in_hand = IDLE
                 self._spent.clear()
-                self.outbox.send(done)
+                if type(done) is bytes:
+                    self.outbox.send_encoded(done)
+                else:
+                    self.outbox.send(done)
             elif isinstance(msg, Shutdown):
                 return
 

@@ -284,10 +284,7 @@ def encode(msg: Any) -> bytes:
         ])
         wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks)
     elif kind is BatchDone:
-        outs = tuple([
-            (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
-            for o in msg.outcomes
-        ])
+        outs = tuple([outcome_wire(o) for o in msg.outcomes])
         wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs, msg.in_place)
     elif kind is OutputGrant:
         wire = (_GRANT, msg.batch_id, msg.offset, msg.nbytes, msg.error)
@@ -298,13 +295,29 @@ def encode(msg: Any) -> bytes:
     return pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def outcome_wire(o: Outcome) -> tuple[Any, ...]:
+    """An Outcome as `encode` puts it on the wire."""
+    return (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
+
+
+def packed_wire(p: Packed) -> tuple[Any, ...]:
+    """A Packed as `encode` puts it in an outcome on the wire (outcome_wire without task and error)."""
+    return _flat_packed(p)
+
+
+def encode_done(batch_id: int, outcome: tuple[Any, ...], run_s: float, rss: int, in_place: int) -> bytes:
+    """encode(BatchDone(batch_id, (o,), run_s, rss, in_place)), the same bytes, for the one
+    outcome o given as `outcome_wire(o)` (the worker's lean path keeps parts of it made)."""
+    return pickle.dumps((_DONE, batch_id, run_s, rss, (outcome,), in_place), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def decode(data: bytes) -> Any:
     wire = pickle.loads(data)
     kind = wire[0]
     if kind == _RUN:  # (tuple.__new__: a NamedTuple's own __new__ is a Python call each)
         _, batch_id, stack, off, nbytes, tasks = wire
-        specs = tuple([_new(TaskSpec, (t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]))
-                       for t in tasks])
+        specs = tuple([_new(TaskSpec, (i, a, s, _unflat(f, sk, r), c, fs, d, st))
+                       for i, a, s, f, sk, r, c, fs, d, st in tasks])
         return _new(RunBatch, (batch_id, specs, stack, off, nbytes))
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire
