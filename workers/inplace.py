@@ -70,7 +70,7 @@ def layout_of(outputs: Signature) -> Layout:
 class OutputPlanner:
     def __init__(self, outputs: Mapping, min_bytes: int = 0) -> None:
         self._outputs = outputs
-        self._min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
+        self.min_bytes = min_bytes  # smaller outputs are copied: binding costs ~50 us a run
         self._layouts: dict[Signature, Layout | None] = {}  # None: output shapes vary
 
     def plan(self, region: tuple[int, int], tasks: list[TaskSpec], feeds: dict[int, Any]) -> dict[int, Placed] | None:
@@ -84,23 +84,40 @@ class OutputPlanner:
         for t in tasks:
             key = signature(feeds[t.task_id])
             lay = self._layouts.get(key)
-            if lay is None or lay.size < self._min_bytes or cursor + lay.size > start + nbytes:
+            if lay is None or lay.size < self.min_bytes or cursor + lay.size > start + nbytes:
                 return None
             keys.append(key)
             layouts.append(lay)
             cursor += lay.size
         plan, cursor = {}, start
         for t, key, lay in zip(tasks, keys, layouts, strict=True):
-            dests = {name: self._outputs.array(cursor + off, dt, shape)
-                     for (name, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True)}
-            refs = tuple(ArrayRef(cursor + off, dt.str, shape)
-                         for (_, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True))
-            plan[t.task_id] = Placed(key, dests, Packed(lay.skeleton, refs))
+            plan[t.task_id] = self._placed(cursor, key, lay)
             cursor += lay.size
         return plan
 
+    def place(self, region: tuple[int, int], key: Signature) -> Placed | None:
+        """`plan` of one task whose inputs have the signature `key` (the worker's lean path,
+        workers.lean): the same answer, without the lists."""
+        start, nbytes = region
+        if start < 0:
+            return None
+        lay = self._layouts.get(key)
+        if lay is None or lay.size < self.min_bytes or lay.size > nbytes:
+            return None
+        return self._placed(start, key, lay)
+
+    def _placed(self, cursor: int, key: Signature, lay: Layout) -> Placed:
+        dests = {name: self._outputs.array(cursor + off, dt, shape)
+                 for (name, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True)}
+        refs = tuple(ArrayRef(cursor + off, dt.str, shape)
+                     for (_, dt, shape), off in zip(lay.outputs, lay.offsets, strict=True))
+        return Placed(key, dests, Packed(lay.skeleton, refs))
+
     def learn(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
-        key = signature(feeds)
+        self.learn_key(signature(feeds), outputs)
+
+    def learn_key(self, key: Signature, outputs: dict[str, np.ndarray]) -> None:
+        """`learn`, the inputs' signature known already."""
         if key in self._layouts:
             return  # known (or known to vary: forget's word stays)
         if len(self._layouts) >= MAX_SIGNATURES:

@@ -35,6 +35,7 @@ from slabpool.shm.mapping import Mapping
 from slabpool.workers import context, contract, faults, packing
 from slabpool.workers.errors import ErrorKind, TaskDataError
 from slabpool.workers.inplace import OutputPlanner, Placed
+from slabpool.workers.lean import LeanPath, rss
 from slabpool.workers.pipeline import (
     IDLE,
     STACKED,
@@ -195,16 +196,24 @@ class Worker:
         # user code makes the results (postprocess, or preprocess without a model): they may
         # not pickle, or not unpickle in the caller; each is then sealed alone (protocol.Sealed)
         self._seal_results = boot.postprocess is not None or session is None
+        # the common task (one plain task, no option) in the fewest steps: workers.lean
+        hooked = boot.preprocess is not None or boot.postprocess is not None
+        self.lean = LeanPath(self) if session is not None and not hooked else None
 
     def loop(self) -> None:
+        lean, reader = self.lean, self.reader
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(self.reader.recv())
+                msg = self.pending.popleft() if self.pending else decode(reader.recv())
             except EOFError:
                 return  # the supervisor is gone
             if isinstance(msg, RunBatch):
+                done: BatchDone | bytes | None = None  # (bytes: the lean path's, encoded)
                 try:
-                    done = BatchDone(msg.batch_id, (), 0.0, 0) if self._revoked(msg.batch_id) else self.run_batch(msg)
+                    if (self.pending or reader.poll()) and self._revoked(msg.batch_id):
+                        done = BatchDone(msg.batch_id, (), 0.0, 0)
+                    else:
+                        done = (lean.run(msg) if lean is not None else None) or self.run_batch(msg)
                 except SupervisorGone:
                     raise  # (asking for an output region: nobody reads it any more)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker
@@ -213,7 +222,10 @@ class Worker:
                 self.status[0] = IDLE
                 self._in_hand = IDLE
                 self._spent.clear()
-                self.outbox.send(done)
+                if type(done) is bytes:
+                    self.outbox.send_encoded(done)
+                else:
+                    self.outbox.send(done)
             elif isinstance(msg, Shutdown):
                 return
 
@@ -243,7 +255,7 @@ class Worker:
         run_s = time.perf_counter() - t0
         in_place = sum(type(r) is Placed for r in results.values())
         outcomes = self._write(msg, region, results)
-        return BatchDone(msg.batch_id, outcomes, run_s, _rss() if self.boot.report_rss else 0, in_place)
+        return BatchDone(msg.batch_id, outcomes, run_s, rss() if self.boot.report_rss else 0, in_place)
 
     def _plan(self, msg: RunBatch, region: tuple[int, int], ready: list[TaskSpec],
               feeds: dict[int, Any]) -> dict[int, Placed]:
@@ -531,14 +543,6 @@ def _denied(grant: OutputGrant, total: int) -> RemoteError:
     if grant.error == SPLIT:
         return RemoteError(SPLIT, "", "outputs too large to share one region", "")
     return RemoteError(ErrorKind.CAPACITY, "ShmCapacityError", grant.error, "", needed=total, available=grant.nbytes)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * _PAGE
 
 
 def _split(res: Any) -> tuple[Any, list[np.ndarray]]:

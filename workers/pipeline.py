@@ -167,6 +167,10 @@ class TaskPipeline:
                 self._checked.add(sig)
         return item
 
+    def passed(self, sig: tuple[Any, ...]) -> bool:
+        """Inputs of this signature (contract.signature) passed the contract here already."""
+        return bool(self._checked.get(sig))
+
     def run(self, feeds: Any, timeout: float | None = None, step: int = 0) -> Any:
         self.stage = "run"
         if self.session is None:

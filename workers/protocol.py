@@ -284,10 +284,7 @@ def encode(msg: Any) -> bytes:
         ])
         wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks)
     elif kind is BatchDone:
-        outs = tuple([
-            (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
-            for o in msg.outcomes
-        ])
+        outs = tuple([outcome_wire(o) for o in msg.outcomes])
         wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs, msg.in_place)
     elif kind is OutputGrant:
         wire = (_GRANT, msg.batch_id, msg.offset, msg.nbytes, msg.error)
@@ -298,19 +295,36 @@ def encode(msg: Any) -> bytes:
     return pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def outcome_wire(o: Outcome) -> tuple[Any, ...]:
+    """An Outcome as `encode` puts it on the wire."""
+    return (o.task_id, *(_flat_packed(o.outputs) if o.outputs is not None else (None, None, None)), o.error)
+
+
+def packed_wire(p: Packed) -> tuple[Any, ...]:
+    """A Packed as `encode` puts it in an outcome on the wire (outcome_wire without task and error)."""
+    return _flat_packed(p)
+
+
+def encode_done(batch_id: int, outcome: tuple[Any, ...], run_s: float, rss: int, in_place: int) -> bytes:
+    """encode(BatchDone(batch_id, (o,), run_s, rss, in_place)), the same bytes, for the one
+    outcome o given as `outcome_wire(o)` (the worker's lean path keeps parts of it made)."""
+    return pickle.dumps((_DONE, batch_id, run_s, rss, (outcome,), in_place), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def decode(data: bytes) -> Any:
     wire = pickle.loads(data)
     kind = wire[0]
-    if kind == _RUN:
+    if kind == _RUN:  # (tuple.__new__: a NamedTuple's own __new__ is a Python call each)
         _, batch_id, stack, off, nbytes, tasks = wire
-        specs = tuple([TaskSpec(t[0], t[1], t[2], _unflat(t[3], t[4], t[5]), t[6], t[7], t[8], t[9]) for t in tasks])
-        return RunBatch(batch_id, specs, stack, off, nbytes)
+        specs = tuple([_new(TaskSpec, (i, a, s, _unflat(f, sk, r), c, fs, d, st))
+                       for i, a, s, f, sk, r, c, fs, d, st in tasks])
+        return _new(RunBatch, (batch_id, specs, stack, off, nbytes))
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire
         outcomes = tuple([
-            Outcome(o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4]) for o in outs
+            _new(Outcome, (o[0], None if o[2] is None else _unflat(o[1], o[2], o[3]), o[4])) for o in outs
         ])
-        return BatchDone(batch_id, outcomes, run_s, rss, in_place)
+        return _new(BatchDone, (batch_id, outcomes, run_s, rss, in_place))
     if kind == _GRANT:
         return OutputGrant(*wire[1:])
     if kind == _NEED:
@@ -321,7 +335,7 @@ def decode(data: bytes) -> Any:
 def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
     """(flat, names or skeleton, refs as plain tuples): a dict of arrays sends only its names."""
     sk = p.skeleton
-    refs = tuple([tuple(r) for r in p.arrays])
+    refs = tuple(map(tuple, p.arrays))
     if type(sk) is FlatSkeleton:
         return True, tuple(sk), refs
     if type(sk) is dict and all(type(v) is Hole for v in sk.values()):
@@ -331,8 +345,14 @@ def _flat_packed(p: Packed) -> tuple[bool, Any, tuple[tuple[Any, ...], ...]]:
 
 
 def _unflat(flat: bool, sk: Any, refs: tuple[tuple[Any, ...], ...]) -> Packed:
-    arrays = tuple([ArrayRef(*r) for r in refs])
-    return Packed(flat_skeleton(sk) if flat else sk, arrays)
+    arrays = tuple(map(_ref, refs))  # each ArrayRef(*r), made in C
+    return _new(Packed, (flat_skeleton(sk) if flat else sk, arrays))
+
+
+# A NamedTuple made from a tuple of all its fields by tuple.__new__ (C, no Python frame): what
+# its own __new__ makes, for a tuple of exactly its fields (decode's own, from encode's)
+_new = tuple.__new__
+_ref = functools.partial(_new, ArrayRef)
 
 
 class FlatSkeleton(dict[Any, Hole]):

@@ -19,9 +19,13 @@ _LONG = struct.Struct("!Q")
 CHUNK = 256 * 1024  # bytes asked for per read(); a longer frame arrives over several reads
 
 
+SHORT = 0x7FFFFFFF  # the longest frame whose header is a '!i' length alone
+short_head = _HEAD.pack  # that header, head(size) for size <= SHORT without the call
+
+
 def head(size: int) -> bytes:
     """The header of a frame of `size` bytes (what Connection.send_bytes writes before it)."""
-    return _HEAD.pack(size) if size <= 0x7FFFFFFF else _HEAD.pack(-1) + _LONG.pack(size)
+    return _HEAD.pack(size) if size <= SHORT else _HEAD.pack(-1) + _LONG.pack(size)
 
 
 class FrameReader:
@@ -64,7 +68,7 @@ class FrameReader:
 
     def poll(self) -> bool:
         """A frame is ready for recv() without waiting."""
-        while not self._frames and _readable(self.fd):
+        while not self._frames and select.select([self.fd], [], [], 0)[0]:  # (_readable, inline)
             self._frames = self.read()
         return bool(self._frames)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from slabpool.workers import context
 from slabpool.workers.protocol import LogRecord, encode
-from slabpool.workers.wire import head
+from slabpool.workers.wire import SHORT, head, short_head
 
 _FIELDS = ("task_id", "attempt", "stage", "error")
 _CONTEXT_FIELDS = ("tenant", "request_id")
@@ -48,7 +48,10 @@ class Outbox:
 
     def send(self, msg: Any) -> None:
         """Send one message; SupervisorGone if nobody reads the pipe any more."""
-        data = encode(msg)
+        self.send_encoded(encode(msg))
+
+    def send_encoded(self, data: bytes) -> None:
+        """`send` of a message already encoded (protocol.encode, or encode_done)."""
         with self._lock:
             try:
                 _write_frame(self._fd, data)
@@ -60,9 +63,10 @@ def _write_frame(fd: int, data: bytes) -> None:
     """One frame (its head, then `data`) in one writev, as the supervisor sends
     (engine.local.slot.Slot.send_bytes); the worker's end blocks, so a frame larger than the
     pipe's room goes on as the supervisor reads."""
-    frame = head(len(data))
+    n = len(data)
+    frame = short_head(n) if n <= SHORT else head(n)  # (wire.head, without its call: the usual frame)
     sent = os.writev(fd, (frame, data))
-    if sent < len(frame) + len(data):
+    if sent < len(frame) + n:
         view = memoryview(frame + data)[sent:]
         while view.nbytes:
             view = view[os.write(fd, view):]
