@@ -16,9 +16,10 @@ at the same concurrency (latency: lower is better; calls/s: higher is better).
     ray          RayEngine.infer(x), with --ray        (a private local Ray instance)
 
 `--ab` adds, interleaved with each infer and async cell on the same engine, the same cell with
-the fast path off (engine.core.fastpath: every call through the owner thread, the path before
-issue 21), named "... [owner thread]": the A/B for a shared machine, where only cells measured
-side by side compare. The switch is the benchmark's, not the product's (one path).
+the express lane off (engine.local.express: the fast path's general steps, "... [no express]")
+and with the fast path off too (engine.core.fastpath: every call through the owner thread, the
+path before issue 21, "... [owner thread]"): the A/B for a shared machine, where only cells
+measured side by side compare. The switches are the benchmark's, not the product's.
 
 The default run takes about a minute; `--long` measures 10 s a cell.
 """
@@ -319,11 +320,17 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
 def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str], rows: list[Row]) -> None:
     """Engine.infer and infer_async at each concurrency; with --ab each cell is followed by the
     same cell with the fast path off, on the same engine."""
-    fast = eng._owner.fast
-    modes = [(True, ""), (False, " [owner thread]")] if args.ab else [(True, "")]
+    fast, express = eng._owner.fast, getattr(eng, "_express", None)
+    modes = [(True, True, ""), (True, False, " [no express]"), (False, False, " [owner thread]")] if args.ab \
+        else [(True, True, "")]
+    if express is None:  # (Ray: one path)
+        modes = modes[:1]
+    lane_on = express is not None and express.on
     for c in args.concurrency:
-        for on, tag in modes:
+        for on, lane, tag in modes:
             fast.enabled = on and fast.transport is not None
+            if express is not None:
+                express.on = lane and lane_on
             try:
                 if "infer" in want:
                     rows.append(summarize("Engine.infer" + tag, c,
@@ -335,6 +342,8 @@ def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str],
                     _print_row(rows[-1], None)
             finally:
                 fast.enabled = fast.transport is not None
+                if express is not None:
+                    express.on = lane_on
 
 
 def _print_row(row: Row, ref: Row | None) -> None:

@@ -112,5 +112,6 @@ LOCAL_ONLY = {
     "test_sweep": "the POSIX shared-memory sweep: the local transport's",
     "test_tables": "enums and tables, no process: no backend",
     "test_wire": "the frame reader of the local transport's pipes",
+    "test_worker_lean": "the local worker's lean path for one plain task (workers.lean), on its pipe protocol",
     "test_worker_share": "the worker's share of a call, on the local workers' pipe protocol",
 }

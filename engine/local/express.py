@@ -118,7 +118,11 @@ class Express:
         if lay is None:
             return None
         interrupts.enter()  # (from the accept to the lend's wait a Ctrl-C waits: engine.core.interrupts)
-        fut = self._dispatch(eng, inputs, known, lay, loop)
+        try:
+            fut = self._dispatch(eng, inputs, known, lay, loop)
+        except BaseException:
+            interrupts.leave_quietly()
+            raise
         if fut is None:
             interrupts.leave()
             return None
