@@ -105,8 +105,9 @@ class Express:
     def _take(self, eng: Engine, inputs: Any, loop: bool) -> TaskFuture | None:
         """Steps 1-4 if the lane takes this call: its Future (`lend`: the slot lent to it), in
         the Ctrl-C stretch that the wait ends; None, nothing accepted, no stretch."""
-        if not self.on or not self.fast.enabled:
-            return None
+        fast = self.fast
+        if not self.on or not fast.enabled or (loop and (not fast.loop_calm or fast.lent or self.ledger.in_flight())):
+            return None  # (a loop with calls in flight: declined before any work, see _dispatch)
         inputs = contract.one_input(inputs, eng._specs)
         if type(inputs) is not dict:
             return None
@@ -144,19 +145,18 @@ class Express:
         `lend` the slot lent to this thread), or None: nothing accepted.
 
         An event loop is lent a slot only when nothing else of the engine is in flight, and
-        was not at its last call either (`FastPath.loop_calm`, as FastPath._idle: a loop that
-        serves waves of requests would hold a lent slot idle until it looks)."""
+        was not at its last accept either (`FastPath.loop_calm`, as FastPath._idle: a loop that
+        serves waves of requests would hold a lent slot idle until it looks). A call this lane
+        takes leaves `loop_calm` as it was (True: this accept was idle too); one it declines is
+        the general path's, which updates it once."""
         if not self.lock.try_own():
             if loop:
                 self.fast.loop_calm = False
             return None
         try:
             slot = self._idle_slot()
-            if loop:
-                fast = self.fast
-                calm, fast.loop_calm = fast.loop_calm, slot is not None and not (fast.lent or self.ledger.in_flight())
-                if not (calm and fast.loop_calm):
-                    return None
+            if loop and not (slot is not None and self.fast.loop_calm and not (self.fast.lent or self.ledger.in_flight())):
+                return None  # (loop_calm is the general path's to update for this call: one accept, once)
             if slot is None:
                 return None
             skeleton, offsets, nbytes = lay
@@ -213,16 +213,20 @@ class Express:
     def _idle_slot(self) -> SlotRecord | None:
         """Under the lock: a READY slot holding nothing, not lent, on an engine with nothing
         else for the owner to do first (nothing queued or to replay, no close, reload,
-        failure or owner call pending); else None."""
+        failure or owner call pending, no slot holding work the owner thread reads); else None."""
         co = self.co
         if (co.ledger.closing is not None or co.ledger.failure is not None or co.reload is not None
                 or co.thread.pending):
             return None
         lent = self.fast.lent
+        idle = None
         for s in self.slots:
-            if s.state is SlotState.READY and not s.batches and s.index not in lent:
-                return s
-        return None
+            if s.batches:
+                if s.index not in lent:
+                    return None  # the owner thread's work: under load it batches (FastPath._idle)
+            elif idle is None and s.state is SlotState.READY and s.index not in lent:
+                idle = s
+        return idle
 
     # -- the lend's wait, and steps 8-9 of its happy path ------------------------------------------
 
