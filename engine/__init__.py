@@ -21,6 +21,11 @@
      under the lock) waits for that stretch's end (engine.core.interrupts): the call is
      abandoned there, the slot goes back to the owner thread, the engine serves on.
 
+     express lane (engine.local.express): an idle call of plain inputs is accepted running
+     (never queued) and sent by the dispatcher's own send_batch to an idle slot lent to it;
+     its happy path's answer is ended in place (no Future to complete), anything else is the
+     fast path's own step. Its worker runs one plain task on a lean path (workers.lean).
+
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
      writes the outputs in place once it has seen the output shapes of that input signature
@@ -74,6 +79,7 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
 - `engine.local`: `pool.Engine` (steps 1-2; `staged.Staged` is a task's inputs in the input
   arena) and its `supervisor` (the core's owner on `transport.LocalTransport`: spawn, reap,
   pipes, output regions and grants, revoked copies, step 8's copy out in `delivery`);
+  `express` the express lane (an idle call in the fewest steps, over the same records);
   `selector` is the one selector over every pipe, sentinel and a wake-up pipe; `regions` sizes
   output regions (7); `slot.Slot` is one worker process and its pipe (the owner never blocks
   writing it: what the pipe does not take waits in the slot's outbox until the selector says
@@ -86,7 +92,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
   Inference Protocol over HTTP and gRPC, on the public API (one engine per model).
 - `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b).
-- `slabpool.workers.main`: the worker loop; `slabpool.workers.pipeline` the steps 5-7 every kind
+- `slabpool.workers.main`: the worker loop (`slabpool.workers.lean`: one plain task in the fewest
+  steps); `slabpool.workers.pipeline` the steps 5-7 every kind
   of worker runs (preprocess -> contract -> run -> postprocess); one session per process.
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from slabpool.engine.core import fastpath
 from slabpool.workers.errors import PoisonTask, TaskCancelled, TaskTimeout
 from tests import express_hooks as H
 from tests.reference import ort_run
-from tests.test_fastpath import _owner_asleep
+from tests.test_fastpath import _owner_asleep, _until
 
 HOOK = "tests.express_hooks:die_on_marker"
 ROWS = np.random.default_rng(11).standard_normal((64, 16)).astype(np.float32)
@@ -34,14 +33,6 @@ ROWS = np.random.default_rng(11).standard_normal((64, 16)).astype(np.float32)
 
 def _lane(eng: Engine) -> Any:
     return eng._express  # type: ignore[attr-defined]
-
-
-def _until(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
-        time.sleep(0.002)
 
 
 def _row(i: int, marker: float | None = None, tag: int = 0) -> np.ndarray:
@@ -315,9 +306,12 @@ def test_an_async_express_call_cancelled_while_it_runs_ends_once(models, tmp_pat
     monkeypatch.setattr(fastpath, "POLL_S", 600.0)
 
     async def scenario(eng: Engine) -> tuple[int, np.ndarray]:
-        for i in range(3):
-            await eng.infer_async(_row(i))
-        _owner_asleep(eng)
+        for _ in range(20):  # (calm calls until the loop is calm with the owner asleep: on a
+            for i in range(3):  # loaded machine the owner may wake meanwhile and take its lock)
+                await eng.infer_async(_row(i))
+            _owner_asleep(eng)
+            if eng._owner.fast.loop_calm:  # type: ignore[attr-defined]
+                break
         before = _lane(eng).taken
         call = asyncio.ensure_future(eng.infer_async(_row(3, H.HANG)))
         while not (tmp_path / "started").exists():
@@ -333,12 +327,12 @@ def test_an_async_express_call_cancelled_while_it_runs_ends_once(models, tmp_pat
 
     with Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
         lane, after = asyncio.run(scenario(eng))
-        _until(lambda: eng.stats().completed == 4, "the books balance")
+        _until(lambda: eng.stats().completed == eng.stats().accepted - 1, "the books balance")
         st = eng.stats()
         assert not eng._owner.fast.lent  # type: ignore[attr-defined]
     assert lane == 1
     assert after.tobytes() == ort_run(models.mlp, {"x": _row(4)})["probs"].tobytes()
-    assert (st.accepted, st.completed, st.cancelled, st.failed) == (5, 4, 1, 0)
+    assert st.accepted == st.completed + 1 and (st.cancelled, st.failed) == (1, 0)
 
 
 def test_a_gather_of_async_calls_with_a_kill_gets_every_rows_outputs_once(models, tmp_path):

@@ -153,7 +153,7 @@ async def _admit(
 ) -> Future[Result]:
     """The engine's Future for `inputs`: accepted on the loop thread when that cannot wait,
     else on the admission lane (as a sync caller would be), without blocking the loop.
-    `lend`: the caller awaits it at once, and its slot may be lent to this loop (`_watch_lend`)."""
+    `lend`: the caller awaits it at once, and its slot may be lent to this loop (`watch_lend`)."""
     lane = _lanes(eng).admit
     if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
         submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
@@ -254,7 +254,7 @@ async def _await_task(eng: _Host, loop: asyncio.AbstractEventLoop, fut: Future[R
     waiter = bridge(loop, fut)
     lend = getattr(fut, "lend", None)
     if lend is not None:
-        _watch_lend(loop, lend)
+        watch_lend(loop, lend)
     try:
         return cast("Result", await waiter)
     except asyncio.CancelledError:
@@ -262,10 +262,12 @@ async def _await_task(eng: _Host, loop: asyncio.AbstractEventLoop, fut: Future[R
         raise
 
 
-def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
+def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
+               deliver: Callable[[Any], None] | None = None) -> None:
     """The loop is the lender of a slot (engine.core.fastpath.Lend): the worker's answer
     wakes the loop itself (a reader on the dup of the slot's pipe) and the loop runs steps 8-9
-    (`Lend.look`, which never waits for the owner lock). The Future then completes on the loop
+    (`Lend.look`, which never waits for the owner lock; `step`: the lender's own step, whose
+    value, when it has one, goes to `deliver`). The Future then completes on the loop
     thread and `bridge` settles the waiter at once. The owner ends a lend through `wake`
     (call_soon_threadsafe): the reader goes, and the Future completes as any other. It does
     not depend on the awaiting coroutine: cancelled, the task ends here all the same."""
@@ -274,7 +276,9 @@ def _watch_lend(loop: asyncio.AbstractEventLoop, lend: Any) -> None:
     def look() -> None:
         if not watched[0]:
             return
-        lend.look()
+        got = lend.look(step)
+        if got is not None and deliver is not None:
+            deliver(got)
         if lend.over or lend.abandoned:
             watched[0] = False
             loop.remove_reader(fd)

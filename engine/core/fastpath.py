@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.owner import OwnerLock
@@ -82,6 +82,9 @@ class LendingTransport(Protocol):
         transport itself ends a lend (a death, a kill, a Revoke, an outbox filling)."""
 
 
+Step = Callable[["Lend", bool], Any]  # a lender's step under the owner lock (lend, readable) -> its value
+
+
 class Lender(enum.Enum):
     """Who waits on a task it submits: no one (submit()), a thread blocked in `FastPath.wait`,
     or an event loop (a reader on the pipe, engine.caller.aio)."""
@@ -109,10 +112,10 @@ class Lend:
         """Its lender is an event loop (it may stop looking: see RECLAIM_S)."""
         self.reclaim_at = now + RECLAIM_S
 
-    def look(self) -> None:
-        """An event loop's look (its pipe readable, or told the lend is over)."""
-        if self.fast is not None:
-            self.fast.try_step(self)
+    def look(self, step: Step | None = None) -> Any:
+        """An event loop's look (its pipe readable, or told the lend is over): what the step
+        returned (`FastPath.try_step`)."""
+        return self.fast.try_step(self, step) if self.fast is not None else None
 
 
 class FastPath:
@@ -257,12 +260,14 @@ class FastPath:
 
     # -- 8-9 on the lender's thread ----------------------------------------------------------------
 
-    def wait(self, lend: Lend) -> None:
+    def wait(self, lend: Lend, step: Step | None = None) -> Any:
         """A thread's wait on its lend: poll the pipe and the thread's eventfd, handle what
-        comes under the lock; return once the lend is over (the Future is then complete, or
-        the owner thread has the task). It ends the Ctrl-C stretch the accept began
+        comes under the lock (`step`, `FastPath.step` by default); return once the lend is
+        over (the Future is then complete, or the owner thread has the task), with what the
+        last step returned. It ends the Ctrl-C stretch the accept began
         (engine.core.interrupts): a KeyboardInterrupt comes at once while it polls, is
         deferred while it holds the lock, and gives the lend back to the owner thread."""
+        got = None
         try:
             interrupts.leave()
             waker = thread_wake()
@@ -282,7 +287,7 @@ class FastPath:
                 interrupts.enter()
                 try:
                     self.lock.own()
-                    self._step_and_let_go(lend, readable)
+                    got = self._step_and_let_go(lend, readable, step)
                 finally:
                     interrupts.leave()
         finally:
@@ -290,6 +295,7 @@ class FastPath:
                 self.forsake_lend(lend)
             else:
                 os.close(lend.fd)
+        return got
 
     def forsake_lend(self, lend: Lend) -> None:
         """Its lender will not wait on it (interrupted): the slot goes back to the owner
@@ -303,21 +309,21 @@ class FastPath:
             os.close(lend.fd)
             interrupts.leave()
 
-    def try_step(self, lend: Lend) -> None:
-        """An event loop's look at its lend: `step` if the lock is free now, else the lend goes
-        back to the owner thread (the loop never waits for the lock)."""
+    def try_step(self, lend: Lend, step: Step | None = None) -> Any:
+        """An event loop's look at its lend: `step` if the lock is free now (what it returned),
+        else the lend goes back to the owner thread (the loop never waits for the lock)."""
         if lend.over:
-            return
+            return None
         if not self.lock.try_own():
             self.abandon(lend)
-            return
-        self._step_and_let_go(lend, True)
+            return None
+        return self._step_and_let_go(lend, True, step)
 
-    def _step_and_let_go(self, lend: Lend, readable: bool) -> None:
-        """`step` with the lock this thread has just taken, which it lets go of after; what
-        interrupts it fails the engine (`_interrupted`)."""
+    def _step_and_let_go(self, lend: Lend, readable: bool, step: Step | None = None) -> Any:
+        """`step` (`FastPath.step` by default) with the lock this thread has just taken, which
+        it lets go of after; what interrupts it fails the engine (`_interrupted`)."""
         try:
-            self.step(lend, readable)
+            return (step or self.step)(lend, readable)
         except BaseException as exc:
             self._interrupted(exc)
             raise

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import select
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +35,7 @@ from slabpool.engine.caller import aio
 from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.admission import Counter
-from slabpool.engine.core.fastpath import POLL_S, Lend, thread_wake
+from slabpool.engine.core.fastpath import Lend
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task, Timings
@@ -231,92 +229,20 @@ class Express:
     # -- the lend's wait, and steps 8-9 of its happy path ------------------------------------------
 
     def _wait(self, lend: Lend, fut: TaskFuture) -> Any:
-        """`FastPath.wait`, whose step is `_step`: the one-task batch's BatchDone, read and
-        ended in the fewest steps; anything else (a death, an error, a grant asked for, a
-        log record) through the owner's own handling (`FastPath.step`)."""
-        fast = self.fast
-        outputs = None
-        try:
-            interrupts.leave()
-            waker = thread_wake()
-            lend.wake = waker.wake
-            wake_fd = waker.fd
-            poller = select.poll()
-            poller.register(lend.fd, select.POLLIN)
-            poller.register(wake_fd, select.POLLIN)
-            while not lend.over:
-                got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
-                readable = lend.fd in got
-                if wake_fd in got:
-                    try:
-                        os.eventfd_read(wake_fd)
-                    except BlockingIOError:
-                        pass  # (read by another poll of this thread's: nothing pending)
-                interrupts.enter()
-                try:
-                    self.lock.own()
-                    try:
-                        outputs = self._step(lend, readable)
-                    except BaseException as exc:
-                        fast._interrupted(exc)
-                        raise
-                    finally:
-                        self.lock.let_go()
-                finally:
-                    interrupts.leave()
-        finally:
-            if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
-                fast.forsake_lend(lend)
-            else:
-                os.close(lend.fd)
+        """`FastPath.wait` with this lane's step: the outputs, or (off the happy path) the
+        Future's once the owner's code has ended the task."""
+        outputs = self.fast.wait(lend, self._step)
         return outputs if outputs is not None else fut.result().outputs
 
     def _watch(self, loop: asyncio.AbstractEventLoop, lend: Lend, waiter: asyncio.Future[Any]) -> None:
-        """The loop waits on its lent slot: a reader on the dup of its pipe runs `_step` (with
-        the lock if free); the owner ends the lend through `wake` (call_soon_threadsafe)."""
-        fd, watching, fast = lend.fd, [True], self.fast
+        """The loop waits on its lent slot (aio.watch_lend) with this lane's step; the outputs
+        of its happy path settle the waiter at once (else the Future does, through bridge)."""
 
-        def end() -> None:
-            if watching[0]:
-                watching[0] = False
-                loop.remove_reader(fd)
-                os.close(fd)
-                lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
+        def deliver(outputs: Any) -> None:
+            if not waiter.done():
+                waiter.set_result(outputs)
 
-        def look() -> None:
-            if not watching[0]:
-                return
-            if not lend.over:
-                if not self.lock.try_own():
-                    fast.abandon(lend)  # (the owner thread takes it back; the Future completes)
-                    end()
-                    return
-                try:
-                    outputs = self._step(lend, True)
-                except BaseException as exc:
-                    fast._interrupted(exc)
-                    raise
-                finally:
-                    self.lock.let_go()
-                if outputs is not None and not waiter.done():
-                    waiter.set_result(outputs)
-            if lend.over:
-                end()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(look)
-            except RuntimeError:  # the loop is closed: it will never look; its dup of the pipe goes here
-                if watching[0]:
-                    watching[0] = False
-                    os.close(fd)
-                lend.wake = _told
-
-        lend.loop_lend(time.monotonic())
-        lend.wake = wake
-        loop.add_reader(fd, look)
-        if lend.over:
-            look()
+        aio.watch_lend(loop, lend, self._step, deliver)
 
     def _step(self, lend: Lend, readable: bool) -> Any:
         """Under the lock: the outputs, if the worker's answer was this task's BatchDone alone
@@ -401,7 +327,3 @@ class Express:
             self.fast._tell_owner(now)
         ledger.flush()
         return outputs
-
-
-def _told() -> None:
-    """A lend's wake once its loop has stopped looking: nothing left to tell."""
