@@ -1,4 +1,5 @@
-"""The express lane (issue 21): one `infer()` on an idle engine in the fewest steps.
+"""The express lane (issue 21): one `infer()` or `infer_async()` on an idle engine in the
+fewest steps.
 
 The fast path (engine.core.fastpath) already runs an idle call's steps 3-9 on the caller's
 thread, but through every general step on the way: the admission queue's reserve, accept and
@@ -12,14 +13,19 @@ on a slot, the input lease, the lend) and skips only the choosing:
      nothing: else no express, the general path as before
        step 2   the inputs' layout learnt once per signature; lease, copy in
                 the queue accepts it running (`TaskQueue.accept_running`: the next id, counted)
-       3-4      the dispatcher's own `send_batch` to that slot, lent to this thread
-     the lend's wait and steps 8-9: `FastPath.wait` (the owner's own code, under the lock)
+       3-4      the dispatcher's own `send_batch` to that slot, lent to this thread (an
+                event loop: after calm calls, as the fast path lends one)
+     the lend's wait: `FastPath.wait` (a loop: `aio.watch_lend`) with this lane's step, under
+     the lock: the task's BatchDone alone, plain outputs: steps 8-9 in place (the outputs
+     copied out, `TaskLedger.delivered`, the slot given back); anything else read goes to
+     the transport's and the owner's own handling (`FastPath.step`)
 
-So everything after the accept is the same code as every other call's: a death, a kill, a
-stall, close(), a reload or a Ctrl-C finds a task in a batch on a slot, in the ledger, lent,
-and ends it as it ends any other. Only plain dict inputs of a signature already checked, no
-context or deadline, no preprocess or postprocess, and inputs of at most EXPRESS_MAX_BYTES
-take this lane (the copy runs under the owner lock).
+So everything off the happy path is the same code as every other call's: a death, a kill, a
+stall, close(), a reload, a cancel or a Ctrl-C finds a task in a batch on a slot, in the
+ledger, lent, and ends it as it ends any other. Only plain dict inputs (or the bare array of a
+one-input model) of a signature already checked, no context or deadline, no preprocess or
+postprocess, and inputs of at most EXPRESS_MAX_BYTES take this lane (the copy runs under the
+owner lock).
 """
 
 from __future__ import annotations
