@@ -195,6 +195,26 @@ def test_stdin_jsonl_text_and_no_resume(tmp_path: Path, models: SimpleNamespace)
     assert p.returncode == 1 and "--resume cannot replay stdin" in p.stderr, p.stderr
 
 
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path: Path, models: SimpleNamespace) -> None:
+    """A JSONL file (and stdin) that starts with a UTF-8 byte order mark, as Windows editors
+    write them: the first line is its JSON, every row the model's (was: the first item failed
+    with "Unexpected UTF-8 BOM", exit 2); a text line keeps no mark either."""
+    x = rows(4, seed=8)
+    data = "".join(json.dumps({"i": i, "x": r.tolist()}) + "\r\n" for i, r in enumerate(x))
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + data.encode())
+    out = tmp_path / "o.parquet"
+    p = slabpool("run", models.mlp, tmp_path / "in.jsonl", "-o", out, "--workers", 1, "--keep", "line",
+                 "--preprocess", "tests.cli_hooks:feeds")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("line").to_pylist() == [1, 2, 3, 4]
+    close(t.column("probs").to_pylist(), ref(x)["probs"])
+    p = run_stdin("\ufeff4\n-2\n", "run", "-", "-o", tmp_path / "sq.npy", "--text", "--workers", 1,
+                  "--preprocess", "tests.cli_hooks:square")
+    assert p.returncode == 0, p.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "sq.npy"), [[4, 16], [-2, 4]])
+
+
 # -- batched hooks -------------------------------------------------------------------------------------
 
 

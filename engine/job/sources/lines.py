@@ -44,9 +44,11 @@ class LinesSource(Source):
             self.fingerprint = {"stdin": digest, "json": as_json}
 
     def _open(self) -> IO[str]:
+        # utf-8-sig: a byte order mark at the start (Windows editors write one) is not part of
+        # the first line (it was, and a JSONL file's first item failed: "Unexpected UTF-8 BOM")
         if self.path is None:
-            return io.TextIOWrapper(io.BytesIO(self._data or b""), encoding="utf-8")
-        return open(self.path, encoding="utf-8")  # universal newlines: each ending reads as \n
+            return io.TextIOWrapper(io.BytesIO(self._data or b""), encoding="utf-8-sig")
+        return open(self.path, encoding="utf-8-sig")  # universal newlines: each ending reads as \n
 
     def _pieces(self, *, numbered: bool) -> Iterator[tuple[list[str], list[int]]]:
         """The non-blank lines, READ_CHARS of text at a time, in order: (their texts, their
