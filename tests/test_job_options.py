@@ -57,6 +57,40 @@ def test_a_bad_value_names_the_option_and_what_it_accepts(option: str, value: st
     assert "_positive" not in line and "invalid" not in line, line  # never a private function's name
 
 
+def test_output_stdout_is_refused_and_nothing_is_made(tmp_path: Path, models: SimpleNamespace) -> None:
+    """`-o -`: a job's OUTPUT keeps its progress beside it, so it cannot be stdout; refused in
+    one line, and no folder named "-" is made (was: made, and written to)."""
+    np.save(tmp_path / "in.npy", rows(3))
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", "-", cwd=tmp_path)
+    one_line(p, "-o -", "not stdout")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.npy"]
+
+
+@pytest.mark.parametrize("suffix", [".NPY", ".Npz", ".PARQUET"])
+def test_an_output_suffix_in_capitals_names_the_same_file_format(suffix: str, tmp_path: Path,
+                                                                 models: SimpleNamespace) -> None:
+    """OUTPUT's suffix is read in any case, as an INPUT's is: o.NPY is a .npy file (was: a
+    folder named o.NPY); every row is the model's."""
+    from tests.models.onnx_models import mlp_reference
+
+    x = rows(5, seed=4)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / f"o{suffix}"
+    p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", out, "--workers", 1)
+    assert p.returncode == 0, p.stderr
+    assert out.is_file()
+    want = mlp_reference(x)["probs"]
+    if suffix == ".PARQUET":
+        import pyarrow.parquet as pq
+
+        got = np.asarray(pq.read_table(out).column("probs").to_pylist(), dtype=np.float32)
+    elif suffix == ".Npz":
+        got = np.load(out)["probs"]
+    else:
+        got = np.load(out)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 # The spelling is read with the arguments, before any input is: one input kind shows that AUTO
 # is auto; "auto" goes through all three (a job each).
 @pytest.mark.parametrize(("spelled", "kinds"), [("auto", 3), ("AUTO", 1)])

@@ -88,7 +88,7 @@ def run_job(spec: JobSpec, *, stream: TextIO | None = None) -> JobOutcome:
         source = open_source(spec.input, hook=spec.preprocess is not None, text=spec.text)  # step 1
         source.choose_keep(spec.keep)
         source.choose_columns(dict(spec.columns))
-        direct = spec.output.suffix[1:] if spec.output.suffix in (".npy", ".npz") else None
+        direct = spec.file_format if spec.file_format in ("npy", "npz") else None
         job = fingerprint(spec, source)
         intr.check()  # before anything is written: stdin read, lines counted, the model digested
         made = not spec.parts.exists()  # this run makes the job's folder (a refusal takes it away)

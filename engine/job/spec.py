@@ -82,12 +82,19 @@ class JobSpec:
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # --columns: (model input, table columns)
 
     @property
+    def file_format(self) -> str | None:
+        """"npy", "npz" or "parquet" for a single-file OUTPUT (its suffix in any case, as an
+        INPUT's is read), None for a folder."""
+        suffix = self.output.suffix.lower()
+        return suffix[1:] if suffix in (".npy", ".npz", ".parquet") else None
+
+    @property
     def single_file(self) -> bool:
-        return self.output.suffix in (".npy", ".npz", ".parquet")
+        return self.file_format is not None
 
     @property
     def parquet(self) -> bool:
-        return self.output.suffix == ".parquet"
+        return self.file_format == "parquet"
 
     @property
     def stdin(self) -> bool:
@@ -100,7 +107,10 @@ class JobSpec:
 
 def check_paths(spec: JobSpec) -> None:
     """OUTPUT must never be (or lie inside) INPUT or MODEL, nor replace what no job of ours
-    wrote; stdin cannot be resumed."""
+    wrote, nor be stdout; stdin cannot be resumed."""
+    if str(spec.output) == "-":  # (a folder named "-" was made)
+        raise JobError("-o -: OUTPUT is a folder or a .npy/.npz/.parquet file, not stdout (a job keeps "
+                       "its progress beside OUTPUT, to resume it)")
     if spec.stdin:
         if spec.resume:
             raise JobError("--resume cannot replay stdin: rerun the same command with the same input on "
@@ -182,7 +192,7 @@ def fingerprint(spec: JobSpec, source: Source) -> dict[str, Any]:
 
 
 def output_kind(spec: JobSpec) -> str:
-    return spec.output.suffix[1:] if spec.single_file else "folder"
+    return spec.file_format or "folder"
 
 
 def model_fingerprint(model: Path | None) -> dict[str, Any] | None:

@@ -82,7 +82,7 @@ def read_output(output: str | os.PathLike[str]) -> dict[str, Array]:
 
 def save_output(path: Path, arrays: dict[str, Array]) -> str | None:
     """Write the single-file OUTPUT atomically; return a note when .npy keeps only one output."""
-    if path.suffix == ".npz":
+    if path.suffix.lower() == ".npz":
         write_atomic(path, lambda f: savez(f, arrays))
         return None
     first = next(iter(arrays))
