@@ -137,7 +137,8 @@ class Express:
     def _learn(self, sig: tuple[Any, ...], inputs: dict[Any, Any]) -> tuple[Any, list[int], int] | None:
         skeleton, arrays = packing.split(inputs)
         offsets, nbytes = packing.layout(arrays)
-        lay = (skeleton, offsets, nbytes) if 0 < nbytes <= EXPRESS_MAX_BYTES and len(arrays) == len(inputs) else None
+        plain = type(skeleton) is FlatSkeleton and len(arrays) == len(inputs)  # (plain arrays, in order)
+        lay = (skeleton, offsets, nbytes) if plain and 0 < nbytes <= EXPRESS_MAX_BYTES else None
         if len(self._layouts) >= _LAYOUTS:
             self._layouts.clear()
         self._layouts[sig] = lay
@@ -154,8 +155,6 @@ class Express:
         takes leaves `loop_calm` as it was (True: this accept was idle too); one it declines is
         the general path's, which updates it once."""
         if not self.lock.try_own():
-            if loop:
-                self.fast.loop_calm = False
             return None
         try:
             slot = self._idle_slot()
