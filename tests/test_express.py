@@ -125,16 +125,12 @@ def test_an_input_that_kills_every_worker_on_the_express_lane_is_quarantined(mod
             eng.infer(_row(1, H.ALWAYS))
         after = eng.infer(_row(2))["probs"]  # (both slots may still be starting: the general way)
         _until(lambda: all(s.state.name == "READY" for s in eng._owner.slots), "both slots rebuilt")  # type: ignore[attr-defined]
-        _owner_asleep(eng)
-        before = _lane(eng).taken
-        again = eng.infer(_row(3))["probs"]
-        lane = _lane(eng).taken - before
+        (again,) = _express_run(eng, lambda: [eng.infer(_row(3))["probs"]])
         st = eng.stats()
     assert len(err.value.crashes) == 2
     assert after.tobytes() == ort_run(models.mlp, {"x": _row(2)})["probs"].tobytes()
     assert again.tobytes() == ort_run(models.mlp, {"x": _row(3)})["probs"].tobytes()
-    assert lane == 1
-    assert (st.quarantined, st.failed, st.completed, st.restarts) == (1, 1, 3, 2)
+    assert (st.quarantined, st.failed, st.restarts) == (1, 1, 2) and st.completed == st.accepted - 1
 
 
 def test_task_timeout_ends_a_hung_express_call(models, tmp_path, monkeypatch):
@@ -143,41 +139,56 @@ def test_task_timeout_ends_a_hung_express_call(models, tmp_path, monkeypatch):
     monkeypatch.setattr(fastpath, "POLL_S", 600.0)
     with Engine(models.mlp, workers=1, task_timeout=0.5, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
         eng.infer(_row(0))
-        _owner_asleep(eng)
-        before = _lane(eng).taken
-        with pytest.raises(TaskTimeout):
-            eng.infer(_row(1, H.HANG))
-        assert _lane(eng).taken == before + 1
+        for tries in range(1, 6):  # (the owner thread may wake as the call comes: the general way)
+            _owner_asleep(eng)
+            before = _lane(eng).taken
+            with pytest.raises(TaskTimeout):
+                eng.infer(_row(1, H.HANG))
+            if _lane(eng).taken == before + 1:
+                break
+        else:
+            raise AssertionError("no hung call went the express lane in 5 tries")
         after = eng.infer(_row(2))["probs"]
         st = eng.stats()
     assert after.shape == (1, 8)
-    assert (st.timeouts, st.failed, st.completed, st.restarts) == (1, 1, 2, 1)
+    assert (st.timeouts, st.failed, st.completed, st.restarts) == (tries, tries, 2, tries)
 
 
 def test_close_with_a_timeout_cancels_an_express_call(models, tmp_path, monkeypatch):
     """close(timeout=) runs out while an express call hangs: the call ends with TaskCancelled,
-    the worker is stopped, nothing is left leased."""
+    the worker is stopped, nothing is left leased. (A fresh engine a try: on a loaded machine
+    the owner thread may wake as the call comes, and then it goes the general way, where the
+    same holds; the lane must have taken one of the tries.)"""
     monkeypatch.setattr(fastpath, "POLL_S", 600.0)
-    eng = Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(tmp_path),))
-    eng.infer(_row(0))
-    out: list[Any] = []
-
-    def call() -> None:
+    taken = False
+    for attempt in range(5):
+        gate = tmp_path / f"try{attempt}"
+        gate.mkdir()
+        eng = Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(gate),))
+        out: list[Any] = []
         try:
-            out.append(eng.infer(_row(1, H.HANG)))
-        except BaseException as exc:
-            out.append(exc)
+            eng.infer(_row(0))
 
-    _owner_asleep(eng)
-    t = threading.Thread(target=call)
-    t.start()
-    _until(lambda: (tmp_path / "started").exists(), "the express call runs")
-    assert _lane(eng).taken == 1
-    eng.close(timeout=0.3)
-    t.join(60)
-    assert not t.is_alive() and isinstance(out[0], TaskCancelled)
-    st = eng.stats()
-    assert (st.cancelled, st.completed) == (1, 1)
+            def call() -> None:
+                try:
+                    out.append(eng.infer(_row(1, H.HANG)))
+                except BaseException as exc:
+                    out.append(exc)
+
+            _owner_asleep(eng)
+            t = threading.Thread(target=call)
+            t.start()
+            _until(lambda: (gate / "started").exists(), "the call runs")
+            taken = _lane(eng).taken == 1
+        finally:
+            eng.close(timeout=0.3)
+        t.join(60)
+        assert not t.is_alive() and isinstance(out[0], TaskCancelled)
+        st = eng.stats()
+        assert (st.cancelled, st.completed) == (1, 1)
+        if taken:
+            break
+    assert taken, "no hung call went the express lane in 5 tries"
 
 
 def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_path):
@@ -225,9 +236,7 @@ def test_what_the_express_lane_leaves_to_the_general_path(models):
         big = np.repeat(ROWS, EXPRESS_MAX_BYTES // ROWS.nbytes + 1, axis=0)
         c = eng.infer(big)["probs"]
         assert _lane(eng).taken == 0
-        _owner_asleep(eng)
-        d = eng.infer(_row(0))["probs"]
-        assert _lane(eng).taken == 1
+        (d,) = _express_run(eng, lambda: [eng.infer(_row(0))["probs"]])
     with Engine(models.mlp, workers=1, preprocess="tests.hooks:to_feeds") as eng:
         eng.infer({"x": _row(0)})
         eng.infer({"x": _row(0)})
