@@ -16,7 +16,7 @@ from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.ledger import TaskLedger
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import KillReason, SlotEvent, SlotState, TaskState
-from slabpool.engine.core.task import Batch, Task
+from slabpool.engine.core.task import Batch, Task, Timings
 from slabpool.engine.core.transport import Done, SlotTransport, Unsendable
 from slabpool.workers import errors as E
 
@@ -146,13 +146,29 @@ class Dispatcher:
         self.end_batch(batch)  # step 9: inputs go back now that the run has really ended
         self._after_batch(slot, now)
 
-    def _ended(self, slot: SlotRecord, batch: Batch, ev: Done, now: float) -> None:
-        n = len(batch.tasks)
+    def delivered(self, slot: SlotRecord, timings: Timings, rss: int, in_place: int, now: float) -> None:
+        """Steps 8-9 of a lent one-task batch whose outputs its caller copied out itself
+        (engine.local.express): the batch ends as `on_done` ends it, the task through
+        `TaskLedger.delivered` (no Result, no Future)."""
+        batch = slot.batches.popleft()
+        self._account(slot, 1, timings.run, rss)
+        self.ledger.delivered(batch.tasks[0], timings)
+        if in_place:
+            self.ledger.count(Counter.OUTPUTS_IN_PLACE, in_place)
+        self.end_batch(batch)
+        self._after_batch(slot, now)
+
+    def _account(self, slot: SlotRecord, n: int, run_s: float, rss: int) -> float:
+        """A slot's counts after a batch of `n` tasks, and the mean run time per task (EWMA)."""
         slot.tasks_done += n
         slot.incarnation_done += n
-        slot.rss = ev.rss or slot.rss
-        per_task = ev.run_s / max(n, 1)
+        slot.rss = rss or slot.rss
+        per_task = run_s / max(n, 1)
         self.task_s = per_task if self.task_s is None else 0.9 * self.task_s + 0.1 * per_task
+        return per_task
+
+    def _ended(self, slot: SlotRecord, batch: Batch, ev: Done, now: float) -> None:
+        per_task = self._account(slot, len(batch.tasks), ev.run_s, ev.rss)
         finish, version, pid = self.ledger.finish, slot.model_version, ev.pid or slot.pid
         split: list[Task] = []
         for o in ev.outcomes:  # (a task cancelled meanwhile ends once: finish() drops the rest)

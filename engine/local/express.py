@@ -40,11 +40,10 @@ import numpy as np
 from slabpool.engine.caller import aio
 from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.core import interrupts
-from slabpool.engine.core.admission import Counter
 from slabpool.engine.core.fastpath import Lend
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import SlotState, TaskState
-from slabpool.engine.core.task import Batch, Task, Timings
+from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.local.staged import Staged
 from slabpool.shm.alloc import align_up
 from slabpool.workers import contract, packing
@@ -273,7 +272,7 @@ class Express:
         got = self._copy_out(msg.outcomes[0].outputs)  # step 8
         if got is None:
             return self._general(lend, w, frames)
-        return self._finish(lend, slot, w, msg, got, time.perf_counter() - t0)
+        return self._finish(lend, slot, msg, got, time.perf_counter() - t0)
 
     def _general(self, lend: Lend, w: Any, frames: list[bytes]) -> None:
         """What was read, handled as the transport's own read and the owner's step handle it."""
@@ -301,34 +300,20 @@ class Express:
             return None
         return outputs, used
 
-
-    def _finish(self, lend: Lend, slot: SlotRecord, w: Any, msg: BatchDone, got: tuple[dict[Any, np.ndarray], int],
+    def _finish(self, lend: Lend, slot: SlotRecord, msg: BatchDone, got: tuple[dict[Any, np.ndarray], int],
                 copy_s: float) -> Any:
         """Steps 8-9 of the happy path: the outputs copied out, the region and the inputs back,
         the task ended (counted; its Future is not completed: nobody but this call holds it),
         the slot idle and given back; what queued meanwhile dispatched, as after any Done."""
-        t, d, ledger = self.transport, self.dispatcher, self.ledger
-        batch, task = lend.batch, lend.task
+        task = lend.task
         now = time.monotonic()
         outputs, used = got
-        sent = w.sent.popleft()
-        t.regions.observed(batch, used)
-        t._end(sent)
-        slot.batches.popleft()
-        slot.tasks_done += 1
-        slot.incarnation_done += 1
-        slot.rss = msg.rss or slot.rss
-        d.task_s = msg.run_s if d.task_s is None else 0.9 * d.task_s + 0.1 * msg.run_s
-        ledger.delivered(task, Timings(max(task.dispatched_at - task.accepted_at, 0.0), task.copy_in_s + copy_s,
-                                       msg.run_s, now - task.accepted_at))
-        if msg.in_place:
-            ledger.count(Counter.OUTPUTS_IN_PLACE, msg.in_place)
-        d.end_batch(batch)
-        d._after_batch(slot, now)
+        self.transport.delivered(lend.slot, used)
+        self.dispatcher.delivered(slot, task.timings(msg.run_s, copy_s, now), msg.rss, msg.in_place, now)
         self.fast.served += 1
         self.fast.give_back(lend)
         if len(self.queue) or not self.queue.hungry:  # (as FastPath.step, after a Done)
-            d.dispatch(now)
+            self.dispatcher.dispatch(now)
             self.fast._tell_owner(now)
-        ledger.flush()
+        self.ledger.flush()
         return outputs

@@ -235,6 +235,13 @@ class LocalTransport:
         w = self.workers[slot]
         return self._read(w) if w.lent and w.conn is not None else None
 
+    def delivered(self, slot: int, used: int) -> None:
+        """The head batch of a lent slot ended, its outputs (`used` bytes) copied out by its
+        lender (engine.local.express): learnt and given back as `_on_batch_done` does."""
+        w = self.workers[slot]
+        self.regions.observed(w.sent[0].batch, used)
+        self._end_head(w)
+
     def take_frames(self, w: Slot, frames: list[bytes]) -> None:
         """Frames a lender read off a lent pipe itself (engine.local.express), handled as this
         transport's own read handles them; their events wait for `take_events`."""
@@ -289,9 +296,7 @@ class LocalTransport:
     def _drain(self, w: Slot, to_end: bool = False) -> None:
         """What the worker sent: one read() when its pipe is readable; everything that can be
         read when it is dead (`to_end`: what it sent before dying still counts)."""
-        frames = self._read(w, to_end)
-        for frame in frames or ():
-            self._on_message(w, decode(frame))
+        self.take_frames(w, self._read(w, to_end) or [])
 
     def _read(self, w: Slot, to_end: bool = False) -> list[bytes] | None:
         """The frames one read() gives (`to_end`: all there are); None at the pipe's end."""
@@ -327,12 +332,17 @@ class LocalTransport:
         if not w.sent or w.sent[0].batch.id != msg.batch_id:
             log.warning("dropped a stale completion of batch %d from slot %d", msg.batch_id, w.index)
             return
-        sent = w.sent.popleft()
+        sent = w.sent[0]
         outcomes = () if sent.batch.revoked else batch_outcomes(sent.batch, msg, self.regions, self.outputs)
-        self._end(sent)  # the run has really ended: its region and pinned inputs go back
+        self._end_head(w)
+        self._events.append(Done(w.index, msg.batch_id, outcomes, msg.run_s, msg.rss, msg.in_place, w.pid))
+
+    def _end_head(self, w: Slot) -> None:
+        """The answered batch leaves the slot: the run has really ended, its region and pinned
+        inputs go back; then the next one starts running."""
+        self._end(w.sent.popleft())
         if w.sent:
             self._promote(w, w.sent[0])
-        self._events.append(Done(w.index, msg.batch_id, outcomes, msg.run_s, msg.rss, msg.in_place, w.pid))
 
     def _promote(self, w: Slot, head: Sent) -> None:
         """The next batch starts running now: give it its output region ahead of time."""
