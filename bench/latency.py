@@ -16,6 +16,7 @@ at the same concurrency (latency: lower is better; calls/s: higher is better).
     ray          RayEngine.infer(x), with --ray        (a private local Ray instance)
 
 `--ab` adds, interleaved with each infer and async cell on the same engine, the same cell with
+no spinning (`spin_us=0`: a lent call's caller and worker sleep at once, "... [no spin]"), with
 the express lane off (engine.local.express: the fast path's general steps, "... [no express]")
 and with the fast path off too (engine.core.fastpath: every call through the owner thread, the
 path before issue 21, "... [owner thread]"): the A/B for a shared machine, where only cells
@@ -321,14 +322,18 @@ def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str],
     """Engine.infer and infer_async at each concurrency; with --ab each cell is followed by the
     same cell with the fast path off, on the same engine."""
     fast, express = eng._owner.fast, getattr(eng, "_express", None)
-    modes = [(True, True, ""), (True, False, " [no express]"), (False, False, " [owner thread]")] if args.ab \
-        else [(True, True, "")]
+    modes = [(True, True, 1, ""), (True, True, 0, " [no spin]"), (True, False, 1, " [no express]"),
+             (False, False, 1, " [owner thread]")] if args.ab else [(True, True, 1, "")]
     if express is None:  # (Ray: one path)
         modes = modes[:1]
     lane_on = express is not None and express.on
+    transport, spin_s = getattr(eng, "_transport", None), fast.spin_s
     for c in args.concurrency:
-        for on, lane, tag in modes:
+        for on, lane, spin, tag in modes:
             fast.enabled = on and fast.transport is not None
+            fast.spin_s = spin * spin_s
+            if transport is not None:
+                transport.spin_s = spin * spin_s
             if express is not None:
                 express.on = lane and lane_on
             try:
@@ -342,6 +347,9 @@ def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str],
                     _print_row(rows[-1], None)
             finally:
                 fast.enabled = fast.transport is not None
+                fast.spin_s = spin_s
+                if transport is not None:
+                    transport.spin_s = spin_s
                 if express is not None:
                     express.on = lane_on
 

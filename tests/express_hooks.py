@@ -55,3 +55,18 @@ def _first_time(directory: str, marker: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def record_spins(path: str) -> None:
+    """Initializer: each wait of the worker's loop for its next message appends the seconds it
+    was told to poll first (RunBatch.spin of the batch it last answered) to `path`."""
+    from slabpool.workers import wire
+
+    original = wire.FrameReader.recv
+
+    def recv(self: Any, spin: float = 0.0) -> bytes:
+        with open(path, "a") as f:
+            f.write(f"{spin!r}\n")
+        return original(self, spin)
+
+    wire.FrameReader.recv = recv  # type: ignore[method-assign]

@@ -257,6 +257,55 @@ def test_a_leftover_run_of_many_workers_leaves_no_lease_and_no_lend(models):
     assert st.shm_inputs_used == 0 and st.completed == 50
 
 
+def _spins(path: Any) -> list[float]:
+    return [float(v) for v in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.parametrize("spin_us", [0, 250, 10_000])
+def test_a_lent_call_tells_its_worker_to_poll_for_the_next_and_a_queued_one_does_not(models, tmp_path, spin_us):
+    """spin_us: the RunBatch of an express call carries it (the worker polls that long for the
+    next call before it sleeps: RunBatch.spin); a submitted task's batch, which no caller waits
+    on, carries 0; spin_us=0 never polls. The outputs are the session's either way."""
+    log = tmp_path / "spins"
+    with Engine(models.mlp, workers=1, spin_us=spin_us, initializer="tests.express_hooks:record_spins",
+                initargs=(str(log),)) as eng:
+        eng.infer(_row(0))  # (the door checks the signature; this call may be lent: it waits)
+        # its waits: the first, the output grant of the first answer (no shape seen yet), after it
+        _until(lambda: len(_spins(log)) >= 3, "the worker waits after its first answer")
+        for i in range(3):  # (submit: nobody waits on the answer; the owner thread reads it)
+            eng.submit(_row(i)).result()
+            _until(lambda: len(_spins(log)) >= 4 + i, "the worker waits after the submitted call")
+        owner_waits = len(_spins(log))
+        got = _express_run(eng, lambda: [eng.infer(_row(i))["probs"] for i in range(1, 4)])
+        _until(lambda: len(_spins(log)) >= owner_waits + 3, "the worker waits after the last answer")
+    spins = _spins(log)
+    assert len(spins) == owner_waits + 3 and spins[0] == 0.0  # (its first wait: nothing answered yet)
+    assert spins[owner_waits - 3 : owner_waits] == [0.0] * 3  # (after the submitted tasks' answers)
+    lent = spins[-3:]  # (after each of the last 3 answers: the express calls' batches)
+    assert lent == [spin_us / 1e6] * 3
+    for i, g in enumerate(got, 1):
+        assert g.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes()
+
+
+def test_a_worker_killed_while_it_polls_for_the_next_call_costs_no_call(models):
+    """A worker SIGKILLed after answering an express call (in its poll for the next, 10 ms
+    long here): the answered call stands, nothing replays; the next call is answered on the
+    rebuilt slot, the restart counted."""
+    import os
+    import signal
+
+    with Engine(models.mlp, workers=1, spin_us=10_000) as eng:
+        eng.infer(_row(0))
+        (first,) = _express_run(eng, lambda: [eng.infer(_row(1))["probs"]])
+        os.kill(eng.stats().slots[0].pid, signal.SIGKILL)
+        _until(lambda: eng.stats().restarts == 1, "the death seen")
+        after = eng.infer(_row(2))["probs"]
+        st = eng.stats()
+    assert first.tobytes() == ort_run(models.mlp, {"x": _row(1)})["probs"].tobytes()
+    assert after.tobytes() == ort_run(models.mlp, {"x": _row(2)})["probs"].tobytes()
+    assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (3, 3, 0, 0, 1)
+
+
 # -- infer_async: the same lane, lent to the event loop ---------------------------------------------
 
 

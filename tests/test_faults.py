@@ -442,6 +442,7 @@ def test_the_guard_is_found_at_any_depth_and_only_a_sure_miss_refused(tmp_path, 
     ("max_batch_wait_ms", float("nan")), ("startup_timeout", 0), ("stall_after", -1.0),
     ("max_tasks_per_worker", 0), ("worker_memory_limit", -1), ("workers", True), ("max_attempts", 0),
     ("shm_backend", "x"), ("admission", "drop_newest"), ("start_method", "thread"),
+    ("spin_us", -1), ("spin_us", float("nan")), ("spin_us", 10_001), ("spin_us", True), ("spin_us", "250"),
 ])
 def test_a_bad_setting_is_refused_by_name(setting, value):
     with pytest.raises(ValueError, match=rf"^{setting} must be .*got {value!r}"):

@@ -549,7 +549,7 @@ def test_ray_data_predictor_refuses_ragged_columns(models: SimpleNamespace, cell
 
 
 @pytest.mark.parametrize("setting", [{"start_method": "spawn"}, {"shm_capacity": 1 << 26},
-                                     {"shm_backend": "posix"}, {"in_place_min_bytes": 0}])
+                                     {"shm_backend": "posix"}, {"in_place_min_bytes": 0}, {"spin_us": 0}])
 def test_a_setting_that_means_nothing_on_ray_is_refused_by_name(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, setting: dict[str, Any]
 ) -> None:

@@ -6,10 +6,11 @@ import multiprocessing
 import os
 import struct
 import threading
+import time
 
 import pytest
 
-from slabpool.workers.wire import CHUNK, FrameReader
+from slabpool.workers.wire import CHUNK, FrameReader, spin_until
 
 
 @pytest.fixture
@@ -67,6 +68,35 @@ def test_recv_and_poll_serve_a_blocking_reader(pipe) -> None:  # type: ignore[no
     assert reader.poll()
     assert [reader.recv() for _ in range(3)] == [b"\0", b"\1", b"\2"]
     assert not reader.poll()
+
+
+def test_spinning_catches_a_frame_written_while_it_polls(pipe) -> None:  # type: ignore[no-untyped-def]
+    """spin_until: True at once for a frame already there; True for one another thread writes
+    while it polls (the worker's wait after answering a lent call, the lender's for its answer);
+    False once its end passes with a quiet writer, and nothing read."""
+    reader, writer, _ = pipe
+    writer.send_bytes(b"there")
+    assert spin_until(reader.fd, time.perf_counter() - 1.0)  # (its end already passed: one look)
+    assert reader.recv(spin=0.5) == b"there"
+    assert not spin_until(reader.fd, time.perf_counter() + 0.002)
+    polling = threading.Event()
+    t = threading.Thread(target=lambda: (polling.wait(10), writer.send_bytes(b"late")))
+    t.start()
+    polling.set()
+    try:
+        assert spin_until(reader.fd, time.perf_counter() + 30.0)  # (a deadlock guard, not a timing)
+        assert reader.recv(spin=30.0) == b"late"
+    finally:
+        t.join()
+    assert not reader.poll()
+
+
+def test_a_writer_that_closes_during_the_spin_ends_it_with_eof(pipe) -> None:  # type: ignore[no-untyped-def]
+    reader, writer, _ = pipe
+    writer.close()
+    assert spin_until(reader.fd, time.perf_counter() + 30.0)
+    with pytest.raises(EOFError):
+        reader.recv(spin=30.0)
 
 
 def test_end_of_pipe_after_the_last_frames(pipe) -> None:  # type: ignore[no-untyped-def]

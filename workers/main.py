@@ -201,12 +201,13 @@ class Worker:
         self.lean = LeanPath(self) if session is not None and not hooked else None
 
     def loop(self) -> None:
-        lean, reader = self.lean, self.reader
+        lean, reader, spin = self.lean, self.reader, 0.0
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(reader.recv())
+                msg = self.pending.popleft() if self.pending else decode(reader.recv(spin))
             except EOFError:
                 return  # the supervisor is gone
+            spin = 0.0
             if isinstance(msg, RunBatch):
                 done: BatchDone | bytes | None = None  # (bytes: the lean path's, encoded)
                 try:
@@ -226,6 +227,7 @@ class Worker:
                     self.outbox.send_encoded(done)
                 else:
                     self.outbox.send(done)
+                spin = msg.spin  # (a lent batch's: its caller's next call may come at once)
             elif isinstance(msg, Shutdown):
                 return
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import select
 import struct
+import time
 
 _HEAD = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
@@ -60,8 +61,11 @@ class FrameReader:
                 break
         return frames
 
-    def recv(self) -> bytes:
-        """The next frame, waiting for it (the worker's side)."""
+    def recv(self, spin: float = 0.0) -> bytes:
+        """The next frame, waiting for it (the worker's side); polling for up to `spin`
+        seconds before it sleeps in read() (see `spin_until`)."""
+        if spin and not self._frames:
+            spin_until(self.fd, time.perf_counter() + spin)
         while not self._frames:
             self._frames = self.read()
         return self._frames.pop(0)
@@ -87,6 +91,23 @@ class FrameReader:
         if pos:
             del buf[:pos]
         return out
+
+
+def spin_until(fd: int, end: float) -> bool:
+    """Poll `fd` without sleeping until it is readable (True) or perf_counter() passes `end`.
+
+    A process woken from a sleep in read() or poll() by a pipe write costs ~35 us on the 2-core
+    VM (one wake-up; bench.latency's floor); an idle call pays two, the worker's for the task
+    and the caller's for the answer. A process that polls instead, for about the time the other
+    side takes, is running when the bytes land. Each poll is a system call that lets the GIL
+    go. Used only around a lent call (a caller waiting on an idle engine, `EngineConfig.spin_us`),
+    never under load, where the peer needs the core."""
+    poll, clock = select.select, time.perf_counter
+    fds = [fd]
+    while not poll(fds, (), (), 0)[0]:
+        if clock() >= end:
+            return False
+    return True
 
 
 def _readable(fd: int) -> bool:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from slabpool.engine.core.fastpath import Lender
 from slabpool.workers.errors import QueueFull, TaskCancelled
+from slabpool.workers.wire import spin_until
 
 if TYPE_CHECKING:
     from slabpool.engine.core.config import EngineConfig
@@ -270,7 +271,11 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
     value, when it has one, goes to `deliver`). The Future then completes on the loop
     thread and `bridge` settles the waiter at once. The owner ends a lend through `wake`
     (call_soon_threadsafe): the reader goes, and the Future completes as any other. It does
-    not depend on the awaiting coroutine: cancelled, the task ends here all the same."""
+    not depend on the awaiting coroutine: cancelled, the task ends here all the same.
+
+    First the loop polls the pipe for up to `spin_us` (a lend is made to a calm loop only: see
+    FastPath._idle), and an answer that lands within it is looked at here, with no reader,
+    no wake-up and no turn of the loop (workers.wire.spin_until)."""
     fd, watched = lend.fd, [True]
 
     def look() -> None:
@@ -296,6 +301,11 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
 
     lend.loop_lend(time.monotonic())
     lend.wake = wake
+    spin_s = lend.fast.spin_s if lend.fast is not None else 0.0
+    if spin_s and spin_until(fd, time.perf_counter() + spin_s):
+        look()
+        if not watched[0]:
+            return
     loop.add_reader(fd, look)
     if lend.over:
         look()

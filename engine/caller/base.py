@@ -97,6 +97,7 @@ class BaseEngine:
         shm_backend: Literal["memfd", "posix"] = "memfd",
         startup_timeout: float = 120.0,
         stall_after: float = 10.0,
+        spin_us: float = 250.0,
         share_weights: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:

@@ -82,6 +82,7 @@ class LocalTransport:
         self.quorum = cfg.workers
         self.startup_bound = True
         self.can_lend = True
+        self.spin_s = cfg.spin_us / 1e6  # a lent batch's worker polls this long for the next (RunBatch.spin)
         self._lock = OwnerLock()  # the owner's (attach): let go of around the wait
         self._lend_ended: Callable[[int], None] = _nothing
         self.workers = [Slot(i) for i in range(cfg.workers)]
@@ -114,7 +115,8 @@ class LocalTransport:
         specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
                                 t.deadline, t.step) for t in batch.tasks])
         try:
-            data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0))
+            data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
+                                   self.spin_s if w.lent else 0.0))
         except Exception as exc:
             self.regions.release(sent)
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc

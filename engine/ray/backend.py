@@ -70,6 +70,7 @@ _NOT_ON_RAY = {
     "shm_capacity": "inputs and outputs travel through Ray's object store, not shared-memory arenas",
     "shm_backend": "inputs and outputs travel through Ray's object store, not shared-memory arenas",
     "in_place_min_bytes": "outputs come back through Ray's object store: no output region to write in place",
+    "spin_us": "a call goes through Ray's own scheduler: no slot is lent to its caller, nothing polls a pipe",
 }
 
 
