@@ -80,3 +80,15 @@ def test_a_bad_batch_wait_is_refused_by_the_command_line(value, capsys):
     with pytest.raises(SystemExit):
         _serve_args("--max-batch-wait-ms", value)
     assert "--max-batch-wait-ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,spin", [((), 250.0), (("--spin-us", "0"), 0.0), (("--spin-us", "1000"), 1000.0)])
+def test_spin_us_is_the_engines_setting(argv, spin):
+    assert _serve_args(*argv).spin_us == spin
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "10001", "soon"])
+def test_a_bad_spin_is_refused_by_the_command_line(value, capsys):
+    with pytest.raises(SystemExit):
+        _serve_args("--spin-us", value)
+    assert "--spin-us" in capsys.readouterr().err

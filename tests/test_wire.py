@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from slabpool.workers.wire import CHUNK, FrameReader, spin_until
+from slabpool.workers.wire import CHUNK, FrameReader, Spin, spin_until
 
 
 @pytest.fixture
@@ -89,6 +89,26 @@ def test_spinning_catches_a_frame_written_while_it_polls(pipe) -> None:  # type:
     finally:
         t.join()
     assert not reader.poll()
+
+
+def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> None:  # type: ignore[no-untyped-def]
+    """Spin: after k misses in a row the next 2**k - 1 waits sleep at once (k up to 6: a
+    sparse caller pays a spin about once in 64 calls); one catch and it spins each time again."""
+    reader, writer, _ = pipe
+    spin = Spin()
+    skipped = []
+    for k in range(1, 8):
+        assert not spin.wait(reader.fd, 0.0005)  # (a quiet writer: the spin runs out)
+        assert spin.misses == min(k, Spin.MAX_MISSES)
+        n = 0
+        while spin.skip:
+            assert not spin.wait(reader.fd, 30.0)  # (skipped: returns at once, a 30 s spin never runs)
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 3, 7, 15, 31, 63, 63]
+    writer.send_bytes(b"now")
+    assert spin.wait(reader.fd, 30.0) and (spin.misses, spin.skip, spin.caught) == (0, 0, 1)
+    assert reader.recv() == b"now"
 
 
 def test_a_writer_that_closes_during_the_spin_ends_it_with_eof(pipe) -> None:  # type: ignore[no-untyped-def]

@@ -36,6 +36,7 @@ class FrameReader:
         self.fd = fd  # blocking on the worker's side; the supervisor's end does not block
         self._buf = bytearray()
         self._frames: list[bytes] = []  # complete frames not yet handed out by recv()
+        self.spin = Spin()  # recv(spin)'s
 
     def read(self) -> list[bytes]:
         """One read() (the caller knows the fd is readable: it never blocks then), and every
@@ -63,9 +64,9 @@ class FrameReader:
 
     def recv(self, spin: float = 0.0) -> bytes:
         """The next frame, waiting for it (the worker's side); polling for up to `spin`
-        seconds before it sleeps in read() (see `spin_until`)."""
+        seconds before it sleeps in read(), while that pays (`Spin`)."""
         if spin and not self._frames:
-            spin_until(self.fd, time.perf_counter() + spin)
+            self.spin.wait(self.fd, spin)
         while not self._frames:
             self._frames = self.read()
         return self._frames.pop(0)
@@ -108,6 +109,35 @@ def spin_until(fd: int, end: float) -> bool:
         if clock() >= end:
             return False
     return True
+
+
+class Spin:
+    """Polling that stops while it does not pay: a spin that ends with nothing read makes the
+    next 1, 3, 7, ... 63 waits sleep at once (after 1..6 such misses in a row); one that
+    catches its bytes spins again next time. A caller whose calls come far apart (or whose
+    model runs longer than the spin) pays the spin's CPU about once in 64 calls, not on each.
+    Counters only: a race between threads sharing one costs a spin more or less."""
+
+    MAX_MISSES = 6
+
+    def __init__(self) -> None:
+        self.misses = 0  # spins in a row that caught nothing
+        self.skip = 0  # waits left that sleep at once
+        self.caught = 0  # spins that caught their bytes (stats for tests and bench)
+
+    def wait(self, fd: int, seconds: float) -> bool:
+        """Poll `fd` for up to `seconds` unless recent spins missed (then return at once):
+        whether it is readable now (False: skipped, or nothing came)."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        if spin_until(fd, time.perf_counter() + seconds):
+            self.misses = 0
+            self.caught += 1
+            return True
+        self.misses = min(self.misses + 1, self.MAX_MISSES)
+        self.skip = (1 << self.misses) - 1
+        return False
 
 
 def _readable(fd: int) -> bool:

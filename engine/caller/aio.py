@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from slabpool.engine.core.fastpath import Lender
 from slabpool.workers.errors import QueueFull, TaskCancelled
-from slabpool.workers.wire import spin_until
 
 if TYPE_CHECKING:
     from slabpool.engine.core.config import EngineConfig
@@ -275,7 +274,7 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
 
     First the loop polls the pipe for up to `spin_us` (a lend is made to a calm loop only: see
     FastPath._idle), and an answer that lands within it is looked at here, with no reader,
-    no wake-up and no turn of the loop (workers.wire.spin_until)."""
+    no wake-up and no turn of the loop (workers.wire.Spin: while that pays)."""
     fd, watched = lend.fd, [True]
 
     def look() -> None:
@@ -301,11 +300,12 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
 
     lend.loop_lend(time.monotonic())
     lend.wake = wake
-    spin_s = lend.fast.spin_s if lend.fast is not None else 0.0
-    if spin_s and spin_until(fd, time.perf_counter() + spin_s):
-        look()
-        if not watched[0]:
-            return
+    fast = lend.fast
+    if fast is not None and fast.spin_s:
+        if fast.spin.wait(fd, fast.spin_s):
+            look()
+            if not watched[0]:
+                return
     loop.add_reader(fd, look)
     if lend.over:
         look()

@@ -55,7 +55,7 @@ from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
 from slabpool.workers.errors import EngineInternalError
-from slabpool.workers.wire import spin_until
+from slabpool.workers.wire import Spin
 
 if TYPE_CHECKING:
     from slabpool.engine.core.coordinator import Coordinator
@@ -133,7 +133,8 @@ class FastPath:
         self.lends = 0  # slots lent so far
         self.loop_calm = False  # the last accept found the engine idle: a loop may be lent next (see _idle)
         self.served = 0  # lent calls whose answer their caller read (the whole call off the owner thread)
-        self.spin_s = co.cfg.spin_us / 1e6  # a lender polls its pipe this long before it sleeps (spin_until)
+        self.spin_s = co.cfg.spin_us / 1e6  # a lender polls its pipe this long before it sleeps,
+        self.spin = Spin()  # while that pays (workers.wire.Spin: one for the lenders of this engine)
         self._local = threading.local()
         if self.transport is not None:
             self.transport.attach(self.lock, self._ended)
@@ -278,8 +279,8 @@ class FastPath:
             poller = select.poll()
             poller.register(lend.fd, select.POLLIN)
             poller.register(wake_fd, select.POLLIN)
-            if self.spin_s:  # (the answer mostly lands within it: no wake-up; see spin_until)
-                spin_until(lend.fd, time.perf_counter() + self.spin_s)
+            if self.spin_s:  # (the answer mostly lands within it: no wake-up; see workers.wire.Spin)
+                self.spin.wait(lend.fd, self.spin_s)
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got

@@ -46,6 +46,15 @@ def _milliseconds(text: str) -> float:
     return value
 
 
+def _spin(text: str) -> float:
+    from slabpool.engine.core.config import MAX_SPIN_US
+
+    value = float(text)
+    if not 0 <= value <= MAX_SPIN_US:
+        raise argparse.ArgumentTypeError(f"must be microseconds in [0, {MAX_SPIN_US:g}], got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -83,6 +92,9 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--postprocess", metavar="MOD:FN", help="runs in the workers: (outputs, inputs) -> outputs")
     p.add_argument("--initializer", metavar="MOD:FN", help="runs once in each worker at start")
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver")
+    p.add_argument("--spin-us", type=_spin, default=250.0,
+                   help="an idle request's engine call polls this long before it sleeps, in the server "
+                        "and in its worker (default 250; 0: never, for a host busy with other work)")
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                    help="seconds SIGTERM waits for accepted requests (default 30)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=64 * 2**20,
@@ -135,6 +147,7 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         max_batch_size=args.max_batch_size, max_batch_wait_ms=args.max_batch_wait_ms,
         max_attempts=args.max_attempts, task_timeout=args.task_timeout, preprocess=args.preprocess,
         postprocess=args.postprocess, initializer=args.initializer, start_method=args.start_method,
+        spin_us=args.spin_us,
     )
     served: list[Served] = []
     metrics = RequestMetrics()
