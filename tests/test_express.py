@@ -309,10 +309,12 @@ def test_a_worker_killed_while_it_polls_for_the_next_call_costs_no_call(models):
 # -- infer_async: the same lane, lent to the event loop ---------------------------------------------
 
 
-def test_async_calls_one_at_a_time_take_the_express_lane(models):
+@pytest.mark.parametrize("spin_us", [250, 0, 10_000])
+def test_async_calls_one_at_a_time_take_the_express_lane(models, spin_us):
     """A loop calling infer_async one call at a time: after two calm calls every call goes the
-    express lane, lent to the loop (a reader on its pipe); outputs byte-identical; the books
-    balance and no descriptor or lease is left."""
+    express lane, lent to the loop (its answer caught by the loop's poll, or a reader on its
+    pipe: spin_us 0); outputs byte-identical; the books balance and no descriptor or lease is
+    left."""
 
     loop = asyncio.new_event_loop()
 
@@ -320,11 +322,16 @@ def test_async_calls_one_at_a_time_take_the_express_lane(models):
         return [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(12)]
 
     try:
-        with Engine(models.mlp, workers=2) as eng:
+        with Engine(models.mlp, workers=2, spin_us=spin_us) as eng:
             calls()  # (the first call checks the signature; a loop is lent after two calm calls)
             got = _express_run(eng, calls)
             st = eng.stats()
-            assert not eng._owner.fast.lent  # type: ignore[attr-defined]
+            fast = eng._owner.fast  # type: ignore[attr-defined]
+            assert not fast.lent
+            if spin_us == 10_000:  # (an answer in 10 ms, once in 12 calls: its look in place ran)
+                assert fast.spin.caught >= 1
+            if spin_us == 0:  # (never polls: every answer through the loop's reader)
+                assert fast.spin.caught == 0
     finally:
         loop.close()
     assert all(g.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes() for i, g in enumerate(got))

@@ -642,14 +642,15 @@ def test_a_fork_while_a_slot_is_lent_leaves_the_parents_call_alone(models, tmp_p
 
 # -- Ctrl-C on the main thread (engine.core.interrupts) ---------------------------------------------
 
-STRETCHES = ["the caller's dispatch", "the lender's step", "between accept and wait"]
+STRETCHES = ["the caller's dispatch", "the lender's step", "between accept and wait", "the lender's spin"]
 
 
 @pytest.mark.parametrize("where", STRETCHES)
 def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_engine(models, where, monkeypatch):
     """SIGINT on the main thread while, lent a slot, it does the owner's work: in its own
     dispatch (the RunBatch about to be written), in the step that reads the worker's answer,
-    or between the accept and its wait (signal.raise_signal there: the handler runs at once).
+    or between the accept and its wait (signal.raise_signal there: the handler runs at once);
+    or while it polls for the answer before it sleeps (spin_us: not the owner's work, the same end).
     infer() raises KeyboardInterrupt once that stretch is over; the task ends once (completed,
     its result dropped), no input lease is left, the engine serves on and lends again. Was:
     EngineInternalError ("a caller acting as the engine's owner was interrupted") for every
@@ -674,6 +675,9 @@ def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_e
         if where == "the caller's dispatch":
             send = fast.co.dispatcher.before_send
             monkeypatch.setattr(fast.co.dispatcher, "before_send", lambda slot, b: (ctrl_c(), send(slot, b)))
+        elif where == "the lender's spin":  # (its poll before it sleeps: spin_us, workers.wire.Spin)
+            spin = fast.spin.wait
+            monkeypatch.setattr(fast.spin, "wait", lambda fd, s: (ctrl_c(), spin(fd, s))[1])
         elif where == "the lender's step":  # (the express lane reads with lent_frames)
             read, frames = fast.transport.read_lent, fast.transport.lent_frames
             monkeypatch.setattr(fast.transport, "read_lent", lambda slot: (ctrl_c(), read(slot))[1])
