@@ -82,7 +82,7 @@ def test_a_bad_batch_wait_is_refused_by_the_command_line(value, capsys):
     assert "--max-batch-wait-ms" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,spin", [((), 250.0), (("--spin-us", "0"), 0.0), (("--spin-us", "1000"), 1000.0)])
+@pytest.mark.parametrize("argv,spin", [((), 1000.0), (("--spin-us", "0"), 0.0), (("--spin-us", "250"), 250.0)])
 def test_spin_us_is_the_engines_setting(argv, spin):
     assert _serve_args(*argv).spin_us == spin
 

@@ -25,6 +25,12 @@ SIGTERM drains (exit 0); SIGHUP reloads every model from its file. See docs/serv
 """
 
 
+# the engine's spin_us for a server: 4x Engine's default, since between one request's answer
+# and the next one's engine call the server does a request's HTTP work (~300-500 us on 2 cores),
+# which a 250 us poll in the worker misses (bench.serve_ab at one connection, docs/serve.md)
+SERVE_SPIN_US = 1000.0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -92,9 +98,10 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--postprocess", metavar="MOD:FN", help="runs in the workers: (outputs, inputs) -> outputs")
     p.add_argument("--initializer", metavar="MOD:FN", help="runs once in each worker at start")
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver")
-    p.add_argument("--spin-us", type=_spin, default=250.0,
+    p.add_argument("--spin-us", type=_spin, default=SERVE_SPIN_US,
                    help="an idle request's engine call polls this long before it sleeps, in the server "
-                        "and in its worker (default 250; 0: never, for a host busy with other work)")
+                        f"and in its worker (default {SERVE_SPIN_US:g}: a request's HTTP work sits between "
+                        "two engine calls; 0: never, for a host busy with other work)")
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                    help="seconds SIGTERM waits for accepted requests (default 30)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=64 * 2**20,
