@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from slabpool.workers.wire import CHUNK, FrameReader, Spin, spin_until
+from slabpool.workers.wire import CHUNK, FrameReader, Spin, runnable, spin_until
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> 
     """Spin: after k misses in a row the next 2**k - 1 waits sleep at once (k up to 6: a
     sparse caller pays a spin about once in 64 calls); one catch and it spins each time again."""
     reader, writer, _ = pipe
-    spin = Spin()
+    spin = Spin(cpus=1 << 20)  # (never crowded: the back-off alone)
     skipped = []
     for k in range(1, 8):
         assert not spin.wait(reader.fd, 0.0005)  # (a quiet writer: the spin runs out)
@@ -109,6 +109,22 @@ def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> 
     writer.send_bytes(b"now")
     assert spin.wait(reader.fd, 30.0) and (spin.misses, spin.skip, spin.caught) == (0, 0, 1)
     assert reader.recv() == b"now"
+
+
+def test_no_spin_while_the_host_has_more_tasks_runnable_than_cpus(pipe) -> None:  # type: ignore[no-untyped-def]
+    """Spin looks at the host's runnable tasks (/proc/loadavg, the looker counted) every SAMPLE
+    waits: with more than its CPUs it never polls, even for bytes already there (the core is
+    someone else's to have); the back-off is left as it was."""
+    reader, writer, _ = pipe
+    assert runnable() >= 1  # (this test's own thread is running)
+    writer.send_bytes(b"there")
+    crowded = Spin(cpus=0)
+    for _ in range(2 * Spin.SAMPLE):
+        assert not crowded.wait(reader.fd, 30.0) and crowded.crowded
+    assert (crowded.caught, crowded.misses, crowded.skip) == (0, 0, 0)
+    roomy = Spin(cpus=1 << 20)
+    assert roomy.wait(reader.fd, 30.0) and not roomy.crowded and roomy.caught == 1
+    assert reader.recv() == b"there"
 
 
 def test_a_writer_that_closes_during_the_spin_ends_it_with_eof(pipe) -> None:  # type: ignore[no-untyped-def]

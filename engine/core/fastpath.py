@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from slabpool.engine.core import interrupts
+from slabpool.engine.core.config import usable_cpus
 from slabpool.engine.core.owner import OwnerLock
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.task import Batch, Task
@@ -134,7 +135,7 @@ class FastPath:
         self.loop_calm = False  # the last accept found the engine idle: a loop may be lent next (see _idle)
         self.served = 0  # lent calls whose answer their caller read (the whole call off the owner thread)
         self.spin_s = co.cfg.spin_us / 1e6  # a lender polls its pipe this long before it sleeps,
-        self.spin = Spin()  # while that pays (workers.wire.Spin: one for the lenders of this engine)
+        self.spin = Spin(usable_cpus())  # while that pays (workers.wire.Spin: one for the lenders of this engine)
         self._local = threading.local()
         if self.transport is not None:
             self.transport.attach(self.lock, self._ended)
