@@ -301,11 +301,10 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
     lend.loop_lend(time.monotonic())
     lend.wake = wake
     fast = lend.fast
-    if fast is not None and fast.spin_s:
-        if fast.spin.wait(fd, fast.spin_s):
-            look()
-            if not watched[0]:
-                return
+    if fast is not None and fast.spin_s and fast.spin.wait(fd, fast.spin_s):
+        look()
+        if not watched[0]:
+            return
     loop.add_reader(fd, look)
     if lend.over:
         look()
