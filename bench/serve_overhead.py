@@ -60,7 +60,13 @@ def serve(model: str, port_file: str, hops: bool) -> None:
     from slabpool.engine.serve.metrics import RequestMetrics
     from slabpool.engine.serve.models import Repository, Served
 
-    eng = Engine(model, workers=2)
+    try:  # the engine as `slabpool serve` builds it
+        from slabpool.engine.serve.cli import SERVE_SPIN_US
+
+        settings: dict[str, Any] = {"spin_us": SERVE_SPIN_US}
+    except ImportError:  # (a checkout from before spin_us, measured beside this one)
+        settings = {}
+    eng = Engine(model, workers=2, **settings)
     metrics = RequestMetrics()
     fe = Frontend(Repository([Served("mlp", model, eng)]), metrics)
     x = {"x": np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)}
