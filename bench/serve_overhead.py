@@ -235,11 +235,12 @@ def measure(repos: list[str], n: int, hops: bool) -> list[dict[str, Any]]:
 
 
 def _alternate(socks: list[socket.socket], n: int, hops: bool, warm: int = 300) -> list[dict[str, Any]]:
-    """Rounds of (json, binary, probe) on each server in turn. Each measured request follows an
-    unmeasured probe on the same server, so an engine that polls (spin_us) is as warm for each
-    kind as for the probe whose round trip is subtracted. Measured back to back instead, the
-    round's first request found an engine that had slept while the other servers were
-    measured, and was charged its wake-ups. (The probe is not stamped by --hops.)"""
+    """Rounds of (json, binary, probe) on each server in turn, each server's turn started by two
+    unmeasured probes. An engine that polls (spin_us) has, at the start of a turn, slept while
+    the other servers were measured: the first call's poll runs out, and its back-off
+    (workers.wire.Spin) makes the next wait sleep too. Without the two probes the turn's first
+    measured requests were charged those wake-ups, and the probe whose round trip is
+    subtracted, last in the turn, was not. (The probe is not stamped by --hops.)"""
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     jb = json.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": x.ravel().tolist()}]})
     hb = json.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32",
@@ -254,9 +255,10 @@ def _alternate(socks: list[socket.socket], n: int, hops: bool, warm: int = 300) 
             for s in socks:
                 _roundtrip(s, _request("GET", "/bench/hops"))  # drop the warm-up's stamps
         for s, t in zip(socks, times, strict=True):
+            if it >= warm:  # (the server's turn starts with two unmeasured probes: see above)
+                _roundtrip(s, reqs["probe"])
+                _roundtrip(s, reqs["probe"])
             for kind, req in reqs.items():
-                if it >= warm:  # (each measured request right behind an unmeasured probe: see _alternate)
-                    _roundtrip(s, reqs["probe"])
                 t0 = time.perf_counter_ns()
                 head, body = _roundtrip(s, req)
                 dt = time.perf_counter_ns() - t0
