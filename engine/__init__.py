@@ -19,12 +19,17 @@
      death, a timer, a cancel, close), the owner thread does as drawn. A Ctrl-C that lands
      while the caller does the owner's work (from the accept to the lend's wait, and each step
      under the lock) waits for that stretch's end (engine.core.interrupts): the call is
-     abandoned there, the slot goes back to the owner thread, the engine serves on.
+     abandoned there, the slot goes back to the owner thread, the engine serves on. A lent
+     call polls pipe k for up to spin_us before it sleeps, and its worker, after answering a
+     lent batch (RunBatch.spin), polls for the next one: two wake-ups saved a call; neither
+     polls while its polls run out, nor on a host with more tasks runnable than CPUs
+     (workers.wire.Spin).
 
      express lane (engine.local.express): an idle call of plain inputs is accepted running
      (never queued) and sent by the dispatcher's own send_batch to an idle slot lent to it;
      its happy path's answer is copied out by its caller and ended by the dispatcher's
-     `delivered` (no Result, no Future to complete); anything else is the fast path's own step. Its worker runs one plain task on a lean path (workers.lean).
+     `delivered` (no Result, no Future to complete); anything else is the fast path's own
+     step. Its worker runs one plain task on a lean path (workers.lean).
 
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime

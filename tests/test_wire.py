@@ -75,6 +75,7 @@ def test_spinning_catches_a_frame_written_while_it_polls(pipe) -> None:  # type:
     while it polls (the worker's wait after answering a lent call, the lender's for its answer);
     False once its end passes with a quiet writer, and nothing read."""
     reader, writer, _ = pipe
+    reader.spin.cpus = 1 << 20  # (never crowded, on a loaded host too: recv(spin) polls)
     writer.send_bytes(b"there")
     assert spin_until(reader.fd, time.perf_counter() - 1.0)  # (its end already passed: one look)
     assert reader.recv(spin=0.5) == b"there"
@@ -88,7 +89,7 @@ def test_spinning_catches_a_frame_written_while_it_polls(pipe) -> None:  # type:
         assert reader.recv(spin=30.0) == b"late"
     finally:
         t.join()
-    assert not reader.poll()
+    assert not reader.poll() and reader.spin.caught == 2  # (each recv(spin) polled, and caught its frame)
 
 
 def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> None:  # type: ignore[no-untyped-def]
