@@ -35,14 +35,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 _HOPS = [  # (name, from stamp, to stamp)
     ("HTTP parse (bytes in -> request)", "recv", "parsed"),
-    ("to the app's task, body received", "parsed", "decode>"),
+    ("to the route (started at once, or the app's task), body received", "parsed", "decode>"),
     ("decode (JSON / binary -> numpy)", "decode>", "decode<"),
     ("front end to infer_async", "decode<", "eng>"),
     ("infer_async (the engine)", "eng>", "eng<"),
     ("select outputs, back to the handler", "eng<", "encode>"),
     ("encode", "encode>", "encode<"),
     ("encode -> send", "encode<", "write>"),
-    ("send: the answer's start and body (uvicorn)", "write>", "write<"),
+    ("send: the answer (serve's protocol, or uvicorn's send)", "write>", "write<"),
     ("send -> accounting", "write<", "record>"),
     ("accounting (metrics)", "record>", "record<"),
 ]
@@ -107,14 +107,14 @@ def _stamp(eng: Any) -> Any:
     send of the answer's start and of its body."""
     from uvicorn.protocols.http import httptools_impl as uv
 
-    from slabpool.engine.serve import core, http
+    from slabpool.engine.serve import core, http, uvproto
 
     pc = time.perf_counter_ns
     st: dict[str, Any] = {}
     got: dict[str, dict[str, list[int]]] = {}
 
     def keep() -> None:
-        if "record<" in st and "decode>" in st:
+        if "record<" in st and "decode>" in st and "write>" in st:
             for name, a, b in _HOPS:
                 got.setdefault(st["kind"], {}).setdefault(name, []).append(st[b] - st[a])
             got[st["kind"]].setdefault("total, bytes in -> written", []).append(st["write<"] - st["recv"])
@@ -157,6 +157,15 @@ def _stamp(eng: Any) -> Any:
     uv.HttpToolsProtocol.data_received = data_received  # type: ignore[method-assign]
     uv.HttpToolsProtocol.on_message_complete = on_message_complete  # type: ignore[method-assign]
     uv.RequestResponseCycle.send = send_stamped  # type: ignore[method-assign]
+    answer = getattr(uvproto.JoinedHttpToolsProtocol, "answer", None)  # (an inference started at once)
+
+    async def answer_stamped(self: Any, *a: Any) -> None:
+        st["write>"] = pc()
+        await answer(self, *a)
+        st["write<"] = pc()
+
+    if answer is not None:
+        uvproto.JoinedHttpToolsProtocol.answer = answer_stamped  # type: ignore[method-assign]
     around(http, "decode_request", "decode", lambda *a: st.update(kind="json" if a[3] is None else "binary"))
     around(http, "encode_response", "encode")
     around(core.Frontend, "record", "record")

@@ -105,6 +105,7 @@ LOCAL_ONLY = {
     "test_serve": "`slabpool serve` builds a local Engine",
     "test_serve_bench": "`python -m bench.serve`: local engine only",
     "test_serve_cli": "`slabpool serve`'s arguments: local engine only",
+    "test_serve_eager": "serve's protocol and eager start; the inference route on a local Engine",
     "test_serve_faults": "`slabpool serve` with local workers SIGKILLed or segfaulting",
     "test_serve_proto": "the committed gRPC message code: no backend",
     "test_shm": "shared memory (the allocator, arenas, leases): the local transport's",

@@ -9,16 +9,20 @@ no other listening socket, no slabpool shared memory in this process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import psutil
 
@@ -132,3 +136,28 @@ def held(servers: list[Server], srv: Server) -> Iterator[Server]:
     yield srv
     servers.remove(srv)
     assert srv.stop() == 0, srv.stderr()
+
+
+@contextlib.contextmanager
+def in_process(app: Any) -> Iterator[SimpleNamespace]:
+    """`app` on serve's own uvicorn setup (server.http_server), on a uvloop in a thread of this
+    process, on an ephemeral port: where to reach it; stopped (and its socket closed) after."""
+    import threading
+
+    import uvloop
+
+    from slabpool.engine.serve import server as serve_server
+
+    http = serve_server.http_server(app)
+    sock = socket.create_server(("127.0.0.1", 0))
+    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
+    t.start()
+    try:
+        while not http.started:
+            assert t.is_alive()
+            t.join(0.01)
+        yield SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
+    finally:
+        http.should_exit = True
+        t.join(30)
+        sock.close()

@@ -9,13 +9,11 @@ process tree and its two listening ports, and nothing else.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.reference import ort_run
 from tests.serve_support import Server, check_nothing_left, held
+from tests.serve_support import in_process as _in_process
 
 pytestmark = pytest.mark.timeout(120)
 _servers: list[Server] = []
@@ -1097,28 +1096,3 @@ def test_a_route_that_raises_answers_500_and_the_connection_lives_on():
             assert head.startswith(b"HTTP/1.1 500") and b"connection: close" not in head.lower()
             assert json.loads(body) == {"error": f"internal error: {bug}"}
         assert [json.loads(b) for _, b in got[1::2]] == [{"live": True}] * 2
-
-
-@contextlib.contextmanager
-def _in_process(app: Any) -> Iterator[SimpleNamespace]:
-    """`app` on serve's own uvicorn setup (server.http_server), on a uvloop in a thread of this
-    process, on an ephemeral port: where to reach it; stopped (and its socket closed) after."""
-    import threading
-
-    import uvloop
-
-    from slabpool.engine.serve import server as serve_server
-
-    http = serve_server.http_server(app)
-    sock = socket.create_server(("127.0.0.1", 0))
-    t = threading.Thread(target=uvloop.run, args=(http.serve(sockets=[sock]),))
-    t.start()
-    try:
-        while not http.started:
-            assert t.is_alive()
-            t.join(0.01)
-        yield SimpleNamespace(host="127.0.0.1", http_port=sock.getsockname()[1])
-    finally:
-        http.should_exit = True
-        t.join(30)
-        sock.close()

@@ -159,6 +159,8 @@ class Frontend:
             if req.timeout is None:
                 outputs = await eng.infer_async(req.inputs)
             else:
+                if asyncio.current_task() is None:  # started at once by serve's protocol (eager.py):
+                    await asyncio.sleep(0)  # a timeout needs a Task, which this bare yield moves to
                 async with asyncio.timeout(req.timeout):  # the engine's deadline covers the queue, this the rest
                     outputs = await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
         except TimeoutError as exc:  # asyncio's, or the engine's TaskTimeout (a deadline, --task-timeout)

@@ -18,6 +18,12 @@ A body past --max-request-bytes is refused (413) by its Content-Length before it
 soon as a chunked body passes the limit: never buffered whole. A route that raises answers 500
 with the protocol's error object and the connection lives on (uvicorn's own 500 closes it).
 Accounting runs once the answer is handed to uvicorn, off the request's latency.
+
+Inference offers serve's protocol an eager route (`HttpApp.eager`): a request that came whole
+in one read runs in that read's callback, with no ASGI task and no turn of the event loop
+before it, and its answer is written by the protocol (uvproto.py, eager.py); on an idle engine
+it is answered before the callback returns. Every other request, and an inference whose body
+is still coming, goes through `__call__` as before: the same `_infer`, answered through send.
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slabpool.engine.serve import tensors
+from slabpool.engine.serve import eager, tensors
 from slabpool.engine.serve.core import Frontend, InferRequest, InferResponse, Requested, timeout_param
 from slabpool.engine.serve.errors import BadRequest, NotAllowed, NotFound, ServeError, Status, TooLarge
 from slabpool.engine.serve.metrics import CONTENT_TYPE
-from slabpool.engine.serve.uvproto import DISCONNECT
+from slabpool.engine.serve.uvproto import DISCONNECT, Handler, Headers, Respond
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -63,9 +69,8 @@ class HttpApp:
             return
         parts = scope["path"].strip("/").split("/")
         method = scope["method"]
-        if method == "POST" and len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" \
-                and parts[-1] == "infer":
-            await self._infer(scope, receive, send, parts)
+        if method == "POST" and _is_infer(parts):
+            await self._infer(scope, parts, lambda: _body(scope, receive, self.max_request_bytes), _asgi(send))
             return
         ctype = _JSON
         extra: tuple[tuple[bytes, bytes], ...] = ()  # headers beyond the two every answer has
@@ -89,6 +94,24 @@ class HttpApp:
         if status is Status.CANCELLED:
             return
         await _send(send, status.http, body if isinstance(body, bytes) else orjson.dumps(body), ctype, *extra)
+
+    def eager(self, scope: Scope) -> Handler | None:
+        """The inference route, for serve's protocol to start at once when a request comes
+        whole in one read (uvproto.py: no ASGI task, no turn of the loop before it runs; its
+        answer in the protocol's one write); None for every other route."""
+        if scope["method"] != "POST" or self.fe.inflight:  # under load: a turn of the loop gathers them
+            return None
+        parts = scope["path"].strip("/").split("/")
+        if not _is_infer(parts):
+            return None
+        limit = self.max_request_bytes
+
+        async def body_of(body: bytes) -> bytes:
+            if len(body) > limit:
+                raise _too_large(f"it holds {len(body)} bytes", limit)
+            return body
+
+        return lambda body, respond: self._infer(scope, parts, lambda: body_of(body), respond)
 
     def _route(self, method: str, parts: list[str]) -> tuple[Status, Any, bytes]:
         """Every route but inference and the repository (GET): answered from memory, no body read."""
@@ -125,7 +148,10 @@ class HttpApp:
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, parts: list[str]) -> None:
+    async def _infer(self, scope: Scope, parts: list[str], body_of: Callable[[], Awaitable[bytes]],
+                     respond: Respond) -> None:
+        """One inference: its body read (`body_of`), decoded, run, encoded, answered
+        (`respond`: through ASGI's send, or serve's protocol at once), and counted."""
         started = time.perf_counter()
         name, version, rest = _model_path(parts[:-1])
         fe, request_id = self.fe, ""
@@ -133,25 +159,27 @@ class HttpApp:
             if rest:  # v2/models/{m}[/versions/{v}]/infer and nothing between
                 raise NotFound(f"no route POST /{'/'.join(parts)}")
             fe.repo[name].check_version(version)  # 404 before the body is read
-            body = await _body(scope, receive, self.max_request_bytes)
+            body = await body_of()
             req = decode_request(name, version, body, _header(scope, HEADER_LENGTH))
             request_id = req.id
             resp = await _watching(scope, fe.infer(req))
             payload, header_len = encode_response(resp)
         except ServeError as exc:
             if exc.status is not Status.CANCELLED:
-                await _send(send, exc.status.http, orjson.dumps({"error": str(exc)}), _JSON)
+                err = orjson.dumps({"error": str(exc)})
+                await respond(exc.status.http, err, _headers(err, _JSON))
             fe.record(name, "http", exc.status, started, request_id)
             return
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the connection lives on
-            status, err = _internal(exc)
-            await _send(send, status.http, orjson.dumps(err), _JSON)
+            status, why = _internal(exc)
+            err = orjson.dumps(why)
+            await respond(status.http, err, _headers(err, _JSON))
             fe.record(name, "http", status, started, request_id)
             return
         if header_len is None:
-            await _send(send, 200, payload, _JSON)
+            await respond(200, payload, _headers(payload, _JSON))
         else:
-            await _send(send, 200, payload, _BINARY, (HEADER_LENGTH, b"%d" % header_len))
+            await respond(200, payload, _headers(payload, _BINARY, (HEADER_LENGTH, b"%d" % header_len)))
         fe.record(name, "http", Status.OK, started, request_id)
 
 
@@ -160,15 +188,32 @@ def _internal(exc: Exception) -> tuple[Status, dict[str, str]]:
     return Status.INTERNAL, {"error": f"internal error: {exc!r}"}
 
 
+def _is_infer(parts: list[str]) -> bool:
+    return len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" and parts[-1] == "infer"
+
+
+def _headers(body: bytes, ctype: bytes, *extra: tuple[bytes, bytes]) -> Headers:
+    return [(b"content-type", ctype), (b"content-length", b"%d" % len(body)), *extra]
+
+
+def _asgi(send: Send) -> Respond:
+    async def respond(status: int, body: bytes, headers: Headers) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return respond
+
+
 async def _watching(scope: Scope, work: Awaitable[InferResponse]) -> InferResponse:
     """Await `work` in this task; if the client disconnects meanwhile, this task is cancelled,
     and so the request's engine task (queued: it never runs). The protocol says so at once
     (uvproto.DISCONNECT, a callback: no watcher task, no timer); under a server that does not
-    offer the extension a disconnect goes unnoticed until the answer is written."""
+    offer the extension a disconnect goes unnoticed until the answer is written. Started at
+    once by the protocol, "this task" is the one the request goes on in if it waits (eager.py)."""
     on_lost = scope.get("extensions", {}).get(DISCONNECT)
     if on_lost is None:
         return await work
-    me = asyncio.current_task()
+    me = eager.current()
     assert me is not None
     gone = False
 
@@ -235,8 +280,7 @@ def _too_large(got: str, limit: int) -> TooLarge:
 
 
 async def _send(send: Send, status: int, body: bytes, ctype: bytes, *extra: tuple[bytes, bytes]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", b"%d" % len(body)), *extra]})
+    await send({"type": "http.response.start", "status": status, "headers": _headers(body, ctype, *extra)})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -40,18 +40,36 @@ after the answers to the requests before them on the connection (RFC 9112: pipel
 in the order of their requests). uvicorn wrote it at once, so a client that pipelined a good
 request and a bad one read the 400 as its good request's answer, and lost that answer. Bad
 bytes inside a request's body (a chunk's framing) are that request's: its 400 goes at once.
+
+Started at once: an app may offer `eager(scope)`, a handler for a route whose work needs no
+ASGI (serve's inference: http.py). A request it takes, which came whole in one read, the only
+request of its connection in flight, runs in that read's `data_received`, not in a Task
+scheduled for the loop's next turn (eager.py), and its answer is written here (`answer`: what
+uvicorn's send does with a complete answer, in one write):
+
+    data_received  parse: uvicorn's cycle (its state: keep-alive, disconnected, pipelining)
+                   the body complete, no other request queued  -> the handler, started now
+                   else (more body to come, pipelined, 100-continue) -> uvicorn's ASGI task
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from slabpool.engine.serve import eager
 
 JOIN_BYTES = 64 * 1024
 DISCONNECT = "slabpool_disconnect"  # the scope extension: callbacks to run when the client goes away
+Headers = list[tuple[bytes, bytes]]
+Respond = Callable[[int, bytes, Headers], Awaitable[None]]  # an answer: status, body, headers
+Handler = Callable[[bytes, Respond], Coroutine[Any, Any, None]]  # a route started at once: body, respond
+log = logging.getLogger("uvicorn.error")  # (where uvicorn logs what an app raised)
 
 
 class JoinedWrites:
@@ -105,7 +123,91 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         self.on_lost: list[Callable[[], None]] = []
         self.unanswered: list[RequestResponseCycle] = []  # this connection's requests, running or pipelined
         self.refused: str | None = None  # a 400 waiting for the answers before it
+        self.reading = False  # in data_received: a request the app takes at once waits for its end
+        self.deferred: tuple[RequestResponseCycle, Any, Handler] | None = None
         super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        self.reading = True
+        try:
+            super().data_received(data)
+        finally:
+            self.reading = False
+        deferred = self.deferred
+        if deferred is None:
+            return
+        self.deferred = None
+        cycle, app, handler = deferred
+        if cycle.more_body or cycle is not self.cycle or self.pipeline or cycle.disconnected \
+                or self.transport.is_closing():
+            super()._start_asgi_task(cycle, app)  # what uvicorn did at its headers
+            return
+        self._start_now(cycle, handler)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """At a request's headers (or a pipelined one's turn): an ASGI task, as uvicorn starts
+        it, unless the app takes this request at once (a handler): then it waits for the end
+        of this read, which may bring its whole body."""
+        route = getattr(app, "eager", None)
+        handler = route(cycle.scope) if route is not None and self.reading and not cycle.waiting_for_100_continue \
+            else None
+        if handler is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        self.deferred = (cycle, app, handler)
+
+    def _start_now(self, cycle: RequestResponseCycle, handler: Handler) -> None:
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        try:
+            task = eager.run(self.loop, handler(body, functools.partial(self.answer, cycle)))
+        except BaseException as exc:  # noqa: BLE001 - what uvicorn's run_asgi does with it
+            self._ended(cycle, exc)
+            return
+        if task is None:
+            self._ended(cycle, None)
+            return
+        self.tasks.add(task)  # (uvicorn's shutdown waits for these)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda t: self._ended(cycle, None if t.cancelled() else t.exception()))
+
+    def _ended(self, cycle: RequestResponseCycle, exc: BaseException | None) -> None:
+        """A handler's end, checked as uvicorn's run_asgi checks an ASGI app's."""
+        if exc is not None:
+            log.error("Exception in ASGI application\n", exc_info=exc)
+        elif cycle.response_complete or cycle.disconnected:
+            return
+        else:
+            log.error("ASGI callable returned without starting response.")
+        if not cycle.response_started and not cycle.disconnected:
+            self.loop.create_task(cycle.send_500_response())
+        elif not cycle.response_complete:
+            self.transport.close()
+
+    async def answer(self, cycle: RequestResponseCycle, status: int, body: bytes, headers: Headers) -> None:
+        """A whole answer on `cycle`, as uvicorn's send writes an http.response.start and its
+        one body (headers made by the app: valid names and values, a content-length), in one
+        write; then uvicorn's own step to the next request."""
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return
+        cycle.response_started = True
+        head = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        self.transport.write(b"".join(head))
+        self.transport.write(body)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
