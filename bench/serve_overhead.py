@@ -213,7 +213,7 @@ def _roundtrip(sock: socket.socket, req: bytes) -> tuple[bytes, bytes]:
             return buf[:i], buf[i + 4 : i + 4 + n]
 
 
-def measure(repos: list[str], n: int, hops: bool) -> list[dict[str, Any]]:
+def measure(repos: list[str], n: int, hops: bool, turn: int = 25) -> list[dict[str, Any]]:
     from tests.models import onnx_models
 
     with tempfile.TemporaryDirectory(prefix="slabpool-bench-overhead-") as d:
@@ -233,7 +233,7 @@ def measure(repos: list[str], n: int, hops: bool) -> list[dict[str, Any]]:
                 s = socket.create_connection(("127.0.0.1", int((Path(d) / f"port{i}").read_text())))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 socks.append(s)
-            return _alternate(socks, n, hops)
+            return _alternate(socks, n, hops, turn)
         finally:
             for s in socks:
                 s.close()
@@ -243,13 +243,15 @@ def measure(repos: list[str], n: int, hops: bool) -> list[dict[str, Any]]:
                 p.wait(60)
 
 
-def _alternate(socks: list[socket.socket], n: int, hops: bool, warm: int = 300) -> list[dict[str, Any]]:
-    """Rounds of (json, binary, probe) on each server in turn, each server's turn started by two
-    unmeasured probes. An engine that polls (spin_us) has, at the start of a turn, slept while
-    the other servers were measured: the first call's poll runs out, and its back-off
-    (workers.wire.Spin) makes the next wait sleep too. Without the two probes the turn's first
-    measured requests were charged those wake-ups, and the probe whose round trip is
-    subtracted, last in the turn, was not. (The probe is not stamped by --hops.)"""
+def _alternate(socks: list[socket.socket], n: int, hops: bool, turn: int = 25, warm: int = 300) -> list[dict[str, Any]]:
+    """Rounds of (json, binary, probe), `turn` rounds on each server in turn, each turn started
+    by two unmeasured probes. An engine that polls (spin_us) has, at the start of a turn, slept
+    while the other servers were measured: the first call's poll runs out, and its back-off
+    (workers.wire.Spin) makes the next wait sleep too; the two probes take those wake-ups. And
+    the server measured before goes on polling for a while after its last answer (its
+    workers' spin_us, 1 ms under serve), on the cores the next server is measured on: turns
+    of many rounds leave that to their first requests (was: one round a turn, in which it
+    overlapped most of the turn). (The probe is not stamped by --hops.)"""
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     jb = json.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": x.ravel().tolist()}]})
     hb = json.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32",
@@ -259,23 +261,28 @@ def _alternate(socks: list[socket.socket], n: int, hops: bool, warm: int = 300) 
                                f"Inference-Header-Content-Length: {len(hb)}\r\n"),
             "probe": _request("GET", "/bench/engine")}
     times: list[dict[str, list[int]]] = [{k: [] for k in (*reqs, "engine")} for _ in socks]
-    for it in range(warm + n):
-        if it == warm and hops:
-            for s in socks:
-                _roundtrip(s, _request("GET", "/bench/hops"))  # drop the warm-up's stamps
-        for s, t in zip(socks, times, strict=True):
-            if it >= warm:  # (the server's turn starts with two unmeasured probes: see above)
-                _roundtrip(s, reqs["probe"])
-                _roundtrip(s, reqs["probe"])
+
+    def rounds(s: socket.socket, t: dict[str, list[int]] | None, count: int) -> None:
+        _roundtrip(s, reqs["probe"])
+        _roundtrip(s, reqs["probe"])
+        for _ in range(count):
             for kind, req in reqs.items():
                 t0 = time.perf_counter_ns()
                 head, body = _roundtrip(s, req)
                 dt = time.perf_counter_ns() - t0
                 assert b" 200 " in head.split(b"\r\n")[0] + b" ", (head, body)
-                if it >= warm:
+                if t is not None:
                     t[kind].append(dt)
                     if kind == "probe":
                         t["engine"].append(int(body))
+
+    for s in socks:  # warm-up, unmeasured
+        rounds(s, None, warm)
+        if hops:
+            _roundtrip(s, _request("GET", "/bench/hops"))  # drop the warm-up's stamps
+    for done in range(0, n, turn):
+        for s, t in zip(socks, times, strict=True):
+            rounds(s, t, min(turn, n - done))
     out = []
     for s, t in zip(socks, times, strict=True):
         med = {k: statistics.median(v) / 1e3 for k, v in t.items()}
@@ -301,13 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000, help="rounds of (json, binary, probe) per server")
     p.add_argument("--repo", action="append", help="a checkout to measure (repeat: side by side); default this one")
     p.add_argument("--hops", action="store_true", help="stamp each hop in the server (adds ~1 us per stamp)")
+    p.add_argument("--turn", type=int, default=25, help="rounds on one server before the next server's turn")
     p.add_argument("--serve", nargs=2, metavar=("MODEL", "PORT_FILE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         serve(args.serve[0], args.serve[1], args.hops)
         return 0
     repos = args.repo or [str(REPO)]
-    report(repos, measure(repos, args.requests, args.hops))
+    report(repos, measure(repos, args.requests, args.hops, args.turn))
     return 0
 
 
