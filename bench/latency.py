@@ -79,7 +79,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=None, help="timed seconds per cell (default 1.5)")
     p.add_argument("--long", action="store_true", help="10 s per cell")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,
-                   help="comma-separated contenders (floor,in-process,ppe,loky,infer,async,ray)")
+                   help="comma-separated contenders (floor,in-process,ppe,combine,loky,infer,async,ray)")
     p.add_argument("--ray", action="store_true", help="add RayEngine.infer (slow to start)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--ab", action="store_true", help="each engine cell again with the fast path off, interleaved")
@@ -241,6 +241,12 @@ def in_process(model: str) -> Iterator[Call]:
     yield lambda x: sess.run(names, x)
 
 
+def in_process_outputs(model: str, item: Any) -> dict[str, Any]:
+    sess = make_session(model, 1)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, item), strict=True))
+
+
 @contextmanager
 def executor(model: str, workers: int) -> Iterator[Call]:
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
@@ -283,7 +289,8 @@ def engine(model: str, workers: int, ray: bool = False) -> Iterator[Any]:
 
 def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
     rows: list[Row] = []
-    want = set(args.only or ["floor", "in-process", "ppe", "loky", "infer", "async"] + (["ray"] if args.ray else []))
+    want = set(args.only or ["floor", "in-process", "ppe", "combine", "loky", "infer", "async"]
+               + (["ray"] if args.ray else []))
 
     def cells(name: str, call: Call, concs: list[int]) -> None:
         for c in concs:
@@ -299,6 +306,15 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
     if "ppe" in want:
         with executor(model, args.workers) as call:
             cells("ProcessPoolExecutor", call, args.concurrency)
+    if "combine" in want:
+        from bench.contenders.combining import combining
+
+        with combining(model, args.workers) as pool:
+            want_out = in_process_outputs(model, item)
+            got = pool.call(item)
+            assert all(np.array_equal(got[k], want_out[k]) for k in want_out), "the batching floor's outputs differ"
+            cells("batching floor (no engine)", pool.call, args.concurrency)
+            print(f"  (batching floor: {pool.rows / max(pool.batches, 1):.1f} calls a batch)", flush=True)
     if "loky" in want:
         try:
             with loky_pool(model, args.workers) as call:

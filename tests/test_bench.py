@@ -65,7 +65,8 @@ def test_latency_bench_smoke_run_writes_every_contender(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(r["contender"], r["concurrency"]): r for r in json.loads(out.read_text())}
     assert set(rows) == {("pipe floor", 1)} | {
-        (name, c) for name in ("in-process", "ProcessPoolExecutor", "loky", "Engine.infer", "Engine.infer_async")
+        (name, c) for name in ("in-process", "ProcessPoolExecutor", "batching floor (no engine)", "loky",
+                               "Engine.infer", "Engine.infer_async")
         for c in (1, 2)}
     for row in rows.values():
         assert row["calls"] > 0 and row["p50_us"] > 0 and row["p999_us"] >= row["p50_us"], row
