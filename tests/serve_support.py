@@ -161,3 +161,26 @@ def in_process(app: Any) -> Iterator[SimpleNamespace]:
         http.should_exit = True
         t.join(30)
         sock.close()
+
+
+def read_answers(sock: socket.socket, n: int, interim: bool = True) -> list[tuple[bytes, bytes]]:
+    """Read `n` HTTP/1.1 answers from `sock`: (status line + headers, body) each. A 100
+    Continue is an answer of its own (an empty body) if `interim`, else skipped and not counted."""
+    out: list[tuple[bytes, bytes]] = []
+    buf = b""
+    while len(out) < n:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            assert chunk, (out, buf)
+            buf += chunk
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        if head.startswith(b"HTTP/1.1 100"):
+            if interim:
+                out.append((head, b""))
+            continue
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+        while len(buf) < length:
+            buf += sock.recv(65536)
+        out.append((head, buf[:length]))
+        buf = buf[length:]
+    return out

@@ -25,7 +25,7 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from tests.reference import ort_run
-from tests.serve_support import Server, check_nothing_left, held
+from tests.serve_support import Server, check_nothing_left, held, read_answers
 from tests.serve_support import in_process as _in_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -839,24 +839,9 @@ def test_grpc_repository_index_and_refusals_through_tritonclient(server, models)
 
 def _exchange(server, data: bytes, answers: int) -> list[tuple[bytes, bytes]]:
     """Send raw bytes on one connection; read `answers` answers (status line + headers, body)."""
-    out, buf = [], b""
     with socket.create_connection((server.host, server.http_port), timeout=30) as s:  # only a hang reaches it
         s.sendall(data)
-        while len(out) < answers:
-            while b"\r\n\r\n" not in buf:
-                chunk = s.recv(65536)
-                assert chunk, (out, buf)
-                buf += chunk
-            head, buf = buf.split(b"\r\n\r\n", 1)
-            if head.startswith(b"HTTP/1.1 100"):
-                out.append((head, b""))
-                continue
-            n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
-            while len(buf) < n:
-                buf += s.recv(65536)
-            out.append((head, buf[:n]))
-            buf = buf[n:]
-    return out
+        return read_answers(s, answers)
 
 
 def _infer_bytes(rows: int, extra: str = "") -> bytes:

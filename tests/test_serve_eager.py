@@ -26,7 +26,7 @@ import uvloop
 from slabpool.engine.serve import eager
 from slabpool.engine.serve.uvproto import DISCONNECT
 from tests.reference import ort_run
-from tests.serve_support import in_process
+from tests.serve_support import in_process, read_answers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,22 +230,10 @@ def _post(path: str, body: bytes, extra: bytes = b"", version: bytes = b"1.1") -
         path.encode(), version, extra, len(body), body)
 
 
-def _answers(sock: socket.socket, n: int) -> list[tuple[bytes, dict[str, Any] | bytes]]:
-    out, buf = [], b""
-    while len(out) < n:
-        while b"\r\n\r\n" not in buf:
-            chunk = sock.recv(65536)
-            assert chunk, (out, buf)
-            buf += chunk
-        head, buf = buf.split(b"\r\n\r\n", 1)
-        if head.startswith(b"HTTP/1.1 100"):
-            continue
-        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
-        while len(buf) < length:
-            buf += sock.recv(65536)
-        body, buf = buf[:length], buf[length:]
-        out.append((head, json.loads(body) if b"application/json" in head else body))
-    return out
+def _answers(sock: socket.socket, n: int) -> list[tuple[bytes, Any]]:
+    """`n` answers (a 100 Continue skipped); a JSON body decoded."""
+    return [(head, json.loads(body) if b"application/json" in head else body)
+            for head, body in read_answers(sock, n, interim=False)]
 
 
 def test_a_request_whole_in_one_read_runs_at_once_and_keeps_its_connection():
@@ -391,6 +379,21 @@ def _want(model: Any, x: np.ndarray) -> dict[str, bytes]:
     return {k: v.tobytes() for k, v in ort_run(model, {"x": x}).items()}
 
 
+def _in_a_task_at_decode(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each request the real route decodes from now on: whether a Task was current."""
+    from slabpool.engine.serve import http
+
+    seen: list[bool] = []
+    decode = http.decode_request
+
+    def spied(*a: Any) -> Any:
+        seen.append(asyncio.current_task() is not None)
+        return decode(*a)
+
+    monkeypatch.setattr(http, "decode_request", spied)
+    return seen
+
+
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_the_inference_route_runs_at_once_and_answers_what_onnxruntime_does(real, binary, monkeypatch):
     """On an idle engine the whole request (decode, the engine's round trip through the express
@@ -401,14 +404,7 @@ def test_the_inference_route_runs_at_once_and_answers_what_onnxruntime_does(real
     from slabpool.engine.serve import http
 
     app, model = real
-    tasks: list[bool] = []
-    decode = http.decode_request
-
-    def spied(*a: Any) -> Any:
-        tasks.append(asyncio.current_task() is not None)
-        return decode(*a)
-
-    monkeypatch.setattr(http, "decode_request", spied)
+    tasks = _in_a_task_at_decode(monkeypatch)
     asgi = threading.Event()
     call = http.HttpApp.__call__
 
@@ -451,14 +447,7 @@ def test_while_a_request_is_in_flight_the_next_waits_for_a_turn_of_the_loop(mode
     from slabpool.engine.serve.metrics import RequestMetrics
     from slabpool.engine.serve.models import Repository, Served
 
-    ways: list[bool] = []
-    decode = http.decode_request
-
-    def spied(*a: Any) -> Any:
-        ways.append(asyncio.current_task() is not None)
-        return decode(*a)
-
-    monkeypatch.setattr(http, "decode_request", spied)
+    ways = _in_a_task_at_decode(monkeypatch)
     release = tmp_path / "release"
     eng = Engine(models.mlp, workers=2, preprocess="tests.serve_hooks:marked")
     fe = Frontend(Repository([Served("mlp", models.mlp, eng)]), RequestMetrics())
