@@ -6,7 +6,9 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     client (tritonclient, curl, KServe)
       |  HTTP/REST: JSON or binary tensors            gRPC: inference.GRPCInferenceService
       v                                               v
-    http.py (ASGI on uvicorn: httptools, uvloop)    grpc.py (grpc.aio)
+    http.py (ASGI on uvicorn: httptools, uvloop;    grpc.py (grpc.aio)
+      an inference whole in one read starts at once:
+      uvproto.py, eager.py)
       |                                               |  + Triton's repository calls
       |  decode once into numpy (tensors.py)          |  raw_input_contents -> np.frombuffer
       +--------------------> core.Frontend <----------+
@@ -20,7 +22,9 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
     core        the one inference path, health, repository,    models   engines, readiness, metadata, reload
                 accounting
     http / grpc the two transports                             tensors  wire <-> numpy
-    uvproto     uvicorn's protocol as serve runs it: one write an answer, the disconnect told
+    uvproto     uvicorn's protocol as serve runs it: one write an answer, the disconnect told,
+                an inference started in the read that brought it
+    eager       a coroutine's first steps run now, the rest in a Task if it waits (3.12's eager tasks)
     errors      status codes of both transports                metrics  /metrics
     proto/      the vendored .proto files and protoc's message code (generate.py)
 """
