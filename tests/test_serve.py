@@ -538,6 +538,63 @@ def test_request_metrics_text_is_prometheus_clients_own(created, monkeypatch):
     assert ("_created{" in text(ours.render())) is created
 
 
+def _binary_body(x: np.ndarray, extra: dict[str, Any] | None = None, inputs: list[Any] | None = None) -> tuple[bytes, bytes]:
+    head = json.dumps({"inputs": inputs or [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                             "parameters": {"binary_data_size": x.nbytes}}], **(extra or {})}).encode()
+    return head + x.tobytes(), b"%d" % len(head)
+
+
+def test_a_binary_header_read_once_gives_each_request_its_own_tensors_and_checks():
+    """A binary request's JSON header is read and checked once (http._Plan): the same header
+    again reads only the tensors, the new bytes each time (never the first request's), checked
+    against their sizes as the full path checks them; its outputs list is the request's own."""
+    from slabpool.engine.serve import http
+
+    http._PLANS.clear()
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    extra = {"id": "r", "outputs": [{"name": "probs", "parameters": {"binary_data": True}}],
+             "parameters": {"binary_data_output": True, "timeout": 5000}}
+    body, n = _binary_body(a, extra)
+    first = http.decode_request("mlp", "", body, n)
+    assert len(http._PLANS) == 1
+    for k in range(3):
+        b = a + k + 1
+        again = http.decode_request("mlp", "", body[: int(n)] + b.tobytes(), n)
+        assert again.inputs["x"].tobytes() == b.tobytes() and first.inputs["x"].tobytes() == a.tobytes()
+        assert (again.id, again.outputs, again.binary_outputs, again.timeout) == \
+            (first.id, first.outputs, first.binary_outputs, first.timeout)
+        assert again.outputs is not first.outputs
+    assert len(http._PLANS) == 1
+    head = body[: int(n)]
+    for blob, why in [(a.tobytes()[:-4], "runs past the 60 bytes"), (a.tobytes() + b"xx", "2 bytes of binary data after")]:
+        with pytest.raises(http.BadRequest, match=why):
+            http.decode_request("mlp", "", head + blob, n)
+    http._PLANS.clear()
+    with pytest.raises(http.BadRequest, match=r"runs past the 60 bytes"):  # the full path says the same
+        http.decode_request("mlp", "", head + a.tobytes()[:-4], n)
+    assert not http._PLANS  # a refused request leaves no plan
+
+
+def test_headers_with_json_data_or_bytes_are_read_every_time_and_the_plans_stay_bounded():
+    from slabpool.engine.serve import http
+
+    http._PLANS.clear()
+    a = np.ones((1, 16), np.float32)
+    mixed = [{"name": "x", "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": 64}},
+             {"name": "y", "shape": [1], "datatype": "INT64", "data": [3]}]
+    body, n = _binary_body(a, inputs=mixed)
+    assert http.decode_request("mlp", "", body, n).inputs["y"].tolist() == [3]
+    strings = [{"name": "s", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 6}}]
+    body, n = _binary_body(np.frombuffer(struct.pack("<I", 2) + b"hi", np.uint8), inputs=strings)
+    assert http.decode_request("mlp", "", body, n).inputs["s"] == [b"hi"]
+    assert not http._PLANS
+    for rows in range(1, http._MAX_PLANS + 2):
+        x = np.zeros((rows, 16), np.float32)
+        assert http.decode_request("mlp", "", *_binary_body(x)).inputs["x"].shape == (rows, 16)
+        assert len(http._PLANS) <= http._MAX_PLANS
+    assert len(http._PLANS) == 1  # (cleared when full, then refilled)
+
+
 def test_bytes_length_prefix_codec_round_trips():
     from slabpool.engine.serve import tensors
 

@@ -34,7 +34,7 @@ from slabpool.engine.serve.models import Repository, Served
 access_log = logging.getLogger("slabpool.engine.serve.access")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Requested:
     """An output the client asked for, and whether it wants it as raw bytes (binary extension)."""
 
