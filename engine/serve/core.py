@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -34,9 +34,9 @@ from slabpool.engine.serve.models import Repository, Served
 access_log = logging.getLogger("slabpool.engine.serve.access")
 
 
-@dataclass(frozen=True)
-class Requested:
-    """An output the client asked for, and whether it wants it as raw bytes (binary extension)."""
+class Requested(NamedTuple):
+    """An output the client asked for, and whether it wants it as raw bytes (binary extension).
+    (Immutable: a kept binary header's outputs are shared by its requests, http._Plan.)"""
 
     name: str
     binary: bool
