@@ -482,3 +482,26 @@ def test_while_a_request_is_in_flight_the_next_waits_for_a_turn_of_the_loop(mode
         release.touch()
         fe.repo.close(timeout=30)
     assert ways == [False, True, False]
+
+
+def test_a_request_waiting_when_the_server_stops_is_cancelled_and_answered_500(capfd):
+    """uvicorn's shutdown waits for the requests it holds (timeout_graceful_shutdown, 5 s), then
+    cancels them: a request that went on in a Task is among them (the protocol adds it to
+    uvicorn's tasks), ends cancelled, and its client gets uvicorn's 500, as an ASGI task's
+    would; the server stops."""
+    app = _App()
+    s = None
+    try:
+        with in_process(app) as where:
+            s = socket.create_connection(("127.0.0.1", where.http_port), timeout=30)
+            s.sendall(_post("/wait", b"w"))
+            assert app.waiting.wait(30)
+        assert app.cancelled.is_set()
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+        assert buf.startswith(b"HTTP/1.1 500"), buf
+    finally:
+        if s is not None:
+            s.close()
+    assert "Exception in ASGI application" in capfd.readouterr().err

@@ -169,10 +169,11 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.tasks.add(task)  # (uvicorn's shutdown waits for these)
         task.add_done_callback(self.tasks.discard)
-        task.add_done_callback(lambda t: self._ended(cycle, None if t.cancelled() else t.exception()))
+        task.add_done_callback(lambda t: self._ended(cycle, asyncio.CancelledError() if t.cancelled() else t.exception()))
 
     def _ended(self, cycle: RequestResponseCycle, exc: BaseException | None) -> None:
-        """A handler's end, checked as uvicorn's run_asgi checks an ASGI app's."""
+        """A handler's end, checked as uvicorn's run_asgi checks an ASGI app's (a Task
+        cancelled, by the server's shutdown, is an exception there too)."""
         if exc is not None:
             log.error("Exception in ASGI application\n", exc_info=exc)
         elif cycle.response_complete or cycle.disconnected:
@@ -180,7 +181,7 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         else:
             log.error("ASGI callable returned without starting response.")
         if not cycle.response_started and not cycle.disconnected:
-            self.loop.create_task(cycle.send_500_response())
+            eager.run(self.loop, cycle.send_500_response())  # (written now: the server may be stopping)
         elif not cycle.response_complete:
             self.transport.close()
 
