@@ -183,9 +183,10 @@ class _App:
         self.waiting = threading.Event()
         self.release: asyncio.Future[None] | None = None
         self.cancelled = threading.Event()
+        self.refused = ""
 
     def eager(self, scope):
-        if scope["method"] != "POST" or scope["path"] not in ("/now", "/wait", "/raise", "/mute"):
+        if scope["method"] != "POST" or scope["path"] not in ("/now", "/wait", "/raise", "/mute", "/twice"):
             return None
         return lambda body, respond: self.route(scope, body, respond)
 
@@ -194,6 +195,13 @@ class _App:
         if scope["path"] == "/raise":
             raise RuntimeError("a bug in the route")
         if scope["path"] == "/mute":
+            return
+        if scope["path"] == "/twice":
+            await respond(200, b"one", [(b"content-length", b"3")])
+            try:
+                await respond(200, b"two", [(b"content-length", b"3")])
+            except RuntimeError as exc:
+                self.refused = str(exc)
             return
         if scope["path"] == "/wait":
             me, on_lost = eager.current(), scope["extensions"][DISCONNECT]
@@ -301,6 +309,17 @@ def test_a_route_that_raises_or_forgets_to_answer_gets_uvicorns_500(path, capfd)
     assert buf.startswith(b"HTTP/1.1 500") and buf.endswith(b"Internal Server Error")
     logged = capfd.readouterr().err  # (uvicorn's logger, as uvicorn logs an ASGI app's bug)
     assert ("Exception in ASGI application" if path == "/raise" else "without starting response") in logged
+
+
+def test_a_second_answer_is_refused_and_the_connection_goes_on():
+    app = _App()
+    with in_process(app) as where, socket.create_connection(("127.0.0.1", where.http_port), timeout=30) as s:
+        s.sendall(_post("/twice", b"x"))
+        (head, body), = _answers(s, 1)
+        s.sendall(_post("/now", b"next"))
+        (_, after), = _answers(s, 1)
+    assert head.startswith(b"HTTP/1.1 200") and body == b"one" and after == {"got": "next", "way": "at once"}
+    assert app.refused == "a second answer (200) to a request already answered"
 
 
 @pytest.mark.parametrize("how", ["answered", "close", "reset"])

@@ -189,6 +189,8 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         """A whole answer on `cycle`, as uvicorn's send writes an http.response.start and its
         one body (headers made by the app: valid names and values, a content-length), in one
         write; then uvicorn's own step to the next request."""
+        if cycle.response_started:  # (uvicorn's send refuses a second answer too)
+            raise RuntimeError(f"a second answer ({status}) to a request already answered")
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
         if cycle.disconnected:
