@@ -309,13 +309,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repo", action="append", help="a checkout to measure (repeat: side by side); default this one")
     p.add_argument("--hops", action="store_true", help="stamp each hop in the server (adds ~1 us per stamp)")
     p.add_argument("--turn", type=int, default=25, help="rounds on one server before the next server's turn")
+    p.add_argument("--runs", type=int, default=1,
+                   help="measure this many times, servers started anew each time (the host's placement of "
+                        "client, server and workers moves every figure of a run together): each run, then "
+                        "the median of the runs")
     p.add_argument("--serve", nargs=2, metavar=("MODEL", "PORT_FILE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         serve(args.serve[0], args.serve[1], args.hops)
         return 0
     repos = args.repo or [str(REPO)]
-    report(repos, measure(repos, args.requests, args.hops, args.turn))
+    runs = []
+    for _ in range(args.runs):
+        runs.append(measure(repos, args.requests, args.hops, args.turn))
+        report(repos, runs[-1])
+    if args.runs > 1:
+        for i, repo in enumerate(repos):
+            each = {k: sorted(round(r[i][f"{k} - engine"]) for r in runs) for k in ("json", "binary", "probe")}
+            print(f"{repo}: over {args.runs} runs, the server's answer - the engine (us): "
+                  + "; ".join(f"{k} median {statistics.median(v):.0f} (runs: {', '.join(map(str, v))})"
+                              for k, v in each.items()))
     return 0
 
 
