@@ -105,13 +105,7 @@ class HttpApp:
         if not _is_infer(parts):
             return None
         limit = self.max_request_bytes
-
-        async def body_of(body: bytes) -> bytes:
-            if len(body) > limit:
-                raise _too_large(f"it holds {len(body)} bytes", limit)
-            return body
-
-        return lambda body, respond: self._infer(scope, parts, lambda: body_of(body), respond)
+        return lambda body, respond: self._infer(scope, parts, lambda: _whole(body, limit), respond)
 
     def _route(self, method: str, parts: list[str]) -> tuple[Status, Any, bytes]:
         """Every route but inference and the repository (GET): answered from memory, no body read."""
@@ -275,6 +269,14 @@ async def _body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _whole(body: bytes, limit: int) -> bytes:
+    """A body that came whole (a request started at once), refused past the limit as `_body`
+    refuses one it reads."""
+    if len(body) > limit:
+        raise _too_large(f"it holds {len(body)} bytes", limit)
+    return body
+
+
 def _too_large(got: str, limit: int) -> TooLarge:
     return TooLarge(f"the request body is too large: {got}; the limit is {limit} bytes (--max-request-bytes)")
 
@@ -330,53 +332,44 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     checked again, only the tensors are read (each still checked against its size)."""
     view = memoryview(body)
     if header_length is None:
-        head, blob = _json(view), view[len(view):]
-    else:
-        if not header_length.isdigit():  # ASCII digits only (int() also takes "1_0", " 10", "+10")
-            raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer in digits, "
-                             f"got {header_length!r}")
-        n = int(header_length)
-        if not 0 <= n <= len(view):
-            raise BadRequest(f"Inference-Header-Content-Length is {n} but the body holds {len(view)} bytes")
-        key = (name, version, bytes(view[:n]))
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return _planned(name, version, plan, view[n:])
-        head, blob = _json(view[:n]), view[n:]
-        req = _decode(name, version, head, blob)
-        if all(type(v) is not list for v in req.inputs.values()) and all(  # (BYTES inputs are lists)
-                "data" not in t for t in head["inputs"]):
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = _Plan(
-                tuple((t["name"], t["datatype"], req.inputs[t["name"]].shape, t["parameters"]["binary_data_size"])
-                      for t in head["inputs"]),
-                req.id, None if req.outputs is None else tuple(req.outputs), req.binary_outputs, req.timeout)
-        return req
-    return _decode(name, version, head, blob)
+        return _decode(name, version, _json(view), view[len(view):])[0]
+    if not header_length.isdigit():  # ASCII digits only (int() also takes "1_0", " 10", "+10")
+        raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer in digits, "
+                         f"got {header_length!r}")
+    n = int(header_length)
+    if not 0 <= n <= len(view):
+        raise BadRequest(f"Inference-Header-Content-Length is {n} but the body holds {len(view)} bytes")
+    key = (name, version, bytes(view[:n]))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _planned(name, version, plan, view[n:])
+    req, plan = _decode(name, version, _json(view[:n]), view[n:])
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return req
 
 
 def _planned(name: str, version: str, plan: _Plan, blob: memoryview) -> InferRequest:
     feeds: dict[str, Any] = {}
     pos = 0
     for tname, datatype, shape, size in plan.inputs:
-        if pos + size > len(blob):
-            raise BadRequest(f"input {tname!r}: binary_data_size {size} runs past the {len(blob)} bytes "
-                             f"of binary data (at offset {pos})")
-        feeds[tname] = tensors.from_buffer(tname, datatype, shape, blob[pos : pos + size])
+        feeds[tname] = _from_blob(tname, datatype, shape, size, blob, pos)
         pos += size
-    if pos != len(blob):
-        raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
+    _all_read(blob, pos)
     return InferRequest(name, version, plan.id, feeds, None if plan.outputs is None else list(plan.outputs),
                         plan.binary, plan.timeout)
 
 
-def _decode(name: str, version: str, head: dict[str, Any], blob: memoryview) -> InferRequest:
+def _decode(name: str, version: str, head: dict[str, Any], blob: memoryview) -> tuple[InferRequest, _Plan | None]:
+    """The request, and its plan when every input is binary and none BYTES (what is kept)."""
     inputs = head.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest("the request needs \"inputs\": a non-empty list of tensors")
     params = _params(head.get("parameters"), "the request")
     feeds: dict[str, Any] = {}
+    read: list[tuple[str, str, tuple[int, ...], int]] = []  # the binary inputs, as a plan keeps them
     pos = 0
     for t in inputs:
         tname, datatype, shape = _tensor_head(t)
@@ -390,23 +383,36 @@ def _decode(name: str, version: str, head: dict[str, Any], blob: memoryview) -> 
             if type(size) is not int or size < 0:
                 raise BadRequest(f"input {tname!r}: parameters.binary_data_size must be a byte count "
                                  f"(an integer >= 0), got {size!r}")
-            if pos + size > len(blob):
-                raise BadRequest(f"input {tname!r}: binary_data_size {size} runs past the {len(blob)} bytes "
-                                 f"of binary data (at offset {pos})")
-            feeds[tname] = tensors.from_buffer(tname, datatype, shape, blob[pos : pos + size])
+            feeds[tname] = _from_blob(tname, datatype, shape, size, blob, pos)
+            read.append((tname, datatype, shape, size))
             pos += size
         elif "data" in t:
             feeds[tname] = tensors.from_list(tname, datatype, shape, t["data"])
         else:
             raise BadRequest(f"input {tname!r} has neither \"data\" nor parameters.binary_data_size")
-    if pos != len(blob):
-        raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
+    _all_read(blob, pos)
     request_id = head.get("id", "")
     if not isinstance(request_id, str):  # the protocol's id is a string (was: null echoed as "None")
         raise BadRequest(f"\"id\" must be a string, got {request_id!r}")
     binary = _flag(params, "binary_data_output", "the request")
-    return InferRequest(name, version, request_id, feeds, _outputs(head.get("outputs"), binary), binary,
-                        timeout_param(params.get("timeout")))
+    outputs = _outputs(head.get("outputs"), binary)
+    timeout = timeout_param(params.get("timeout"))
+    req = InferRequest(name, version, request_id, feeds, outputs, binary, timeout)
+    if len(read) < len(inputs) or any(r[1] == tensors.BYTES for r in read):
+        return req, None
+    return req, _Plan(tuple(read), request_id, None if outputs is None else tuple(outputs), binary, timeout)
+
+
+def _from_blob(tname: str, datatype: str, shape: tuple[int, ...], size: int, blob: memoryview, pos: int) -> Any:
+    if pos + size > len(blob):
+        raise BadRequest(f"input {tname!r}: binary_data_size {size} runs past the {len(blob)} bytes "
+                         f"of binary data (at offset {pos})")
+    return tensors.from_buffer(tname, datatype, shape, blob[pos : pos + size])
+
+
+def _all_read(blob: memoryview, pos: int) -> None:
+    if pos != len(blob):
+        raise BadRequest(f"{len(blob) - pos} bytes of binary data after the inputs that claim {pos}")
 
 
 def _flag(params: dict[str, Any], key: str, whose: str, default: bool = False) -> bool:
