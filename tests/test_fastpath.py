@@ -138,12 +138,19 @@ def test_a_worker_killed_while_its_slot_is_lent_replays_the_call_once(models, tm
 def test_calls_one_after_another_are_each_lent_and_answered_on_the_callers_thread(models, workers):
     """One caller, one call after another: each is lent a slot and its caller reads the answer
     (`served`), on 1 worker (the slot just given back takes the next call) and on 2; outputs
-    byte-identical to the owner thread's path; the books balance."""
+    byte-identical to the owner thread's path; the books balance.
+
+    Each call is made with the owner thread asleep: a lent call that sets the first timer of
+    an idle engine (its stall time) wakes the owner, which may still hold its lock when the
+    next call comes, and that call then goes the owner's way (a CI run on a loaded host: 18 of
+    20 lent). Every call is still lent and answered here; only when is the test's."""
     with Engine(models.mlp, workers=workers) as eng:
         want = eng.submit(X).result(60).outputs["probs"]  # (submit: no caller waits on it)
-        _owner_asleep(eng)
         before = _fast(eng).served
-        got = [eng.infer(X)["probs"] for _ in range(20)]
+        got = []
+        for _ in range(20):
+            _owner_asleep(eng)
+            got.append(eng.infer(X)["probs"])
         served = _fast(eng).served - before
         st = eng.stats()
     assert served == 20
