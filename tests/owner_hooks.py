@@ -60,6 +60,17 @@ def hold_rebuilt(directory: str) -> None:
     wait_gone(os.path.join(directory, f"hold-{k}"), 2 * DEADLOCK_S)  # past any wait of the test
 
 
+def kill_rebuilt(directory: str, first: int, last: int) -> None:
+    """An initializer: the k-th worker to start (k = 1, 2, ...) writes `started-k`; the ones
+    from `first` to `last` then SIGKILL themselves (a start-up killed from outside, as the OOM
+    killer would)."""
+    k = 1
+    while not touch_first(os.path.join(directory, f"started-{k}")):
+        k += 1
+    if first <= k <= last:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def shrink_sockets(nbytes: int = 4096) -> int:
     """Shrink the buffers of every Unix socket of this process (a slot's pipe is a socket
     pair) to about `nbytes`: a message larger than that blocks a writer until it is read.

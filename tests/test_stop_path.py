@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -91,6 +92,52 @@ def test_a_slot_that_never_starts_fails_the_engine_clearly(models, tmp_path):
         for f in [killer, *waiting]:
             with pytest.raises(SessionInitError, match=r"startup_timeout=3\.0 s"):
                 f.result(timeout=DEADLOCK_S)
+
+
+def test_a_slot_whose_starts_keep_dying_leaves_the_serving_slot_serving(models, tmp_path, caplog):
+    """Two slots; one is killed by its task, and each of its next MAX_STARTUP_FAILURES + 1
+    starts is SIGKILLed (from outside, as the OOM killer would): the engine does not stop (was:
+    stopped at the fifth, and every task then failed with SessionInitError while the other
+    slot could serve). Calls made meanwhile are served by the other slot; the killing task is
+    replayed there, once; the failing slot is retried until it starts, and serves again."""
+    last = 2 + MAX_STARTUP_FAILURES + 1  # workers 1, 2 start; 3..last are the killed rebuilds
+    with faults.injecting():
+        eng = Engine(models.mlp, workers=2, initializer="tests.owner_hooks:kill_rebuilt",
+                     initargs=(str(tmp_path), 3, last))
+    with eng:
+        want = eng.infer(X)["probs"]
+        killer = faults.submit(eng, X, FaultSpec("run", "sigkill", str(tmp_path / "fired")))
+        served = []
+        while not (tmp_path / f"started-{last}").exists():  # (the other slot serves meanwhile)
+            served.append(eng.infer(X)["probs"])
+        replayed = killer.result(timeout=DEADLOCK_S)
+        wait_until(lambda: all(s.state.can_take for s in eng._sup.slots), "the failing slot started")
+        after = [f.result(timeout=DEADLOCK_S).outputs["probs"] for f in [eng.submit(X) for _ in range(8)]]
+        st = eng.stats()
+    assert (tmp_path / f"started-{last + 1}").exists() and replayed.attempts == 2
+    assert all(g.tobytes() == want.tobytes() for g in [replayed.outputs["probs"], *served, *after])
+    assert st.failed == 0 and st.restarts == 1 + MAX_STARTUP_FAILURES + 1
+    assert any("the other slots serve on" in r.getMessage() for r in caplog.records)
+
+
+def test_every_slot_whose_starts_keep_dying_fails_the_engine_clearly(models, tmp_path):
+    """Two slots, both workers SIGKILLed from outside and every start after that SIGKILLed:
+    once each slot has failed MAX_STARTUP_FAILURES times in a row (none serves), the engine
+    fails, every waiting task with a SessionInitError that says why; never a silent respawn
+    loop. (The waiting tasks were sent to no worker that ran them: none is charged.)"""
+    eng = Engine(models.mlp, workers=2, initializer="tests.owner_hooks:kill_rebuilt",
+                 initargs=(str(tmp_path), 3, 10**6))
+    with eng:
+        eng.infer(X)
+        for slot in eng._sup.slots:  # type: ignore[attr-defined]
+            os.kill(slot.pid, signal.SIGKILL)
+        waiting = [eng.submit(X) for _ in range(3)]  # (the engine fails ~1.5 s later, at the earliest)
+        for f in waiting:
+            with pytest.raises(SessionInitError, match=rf"failed to start {MAX_STARTUP_FAILURES} times in a row, "
+                                                       "and no other slot serves"):
+                f.result(timeout=DEADLOCK_S)
+        failures = [s.startup_failures for s in eng._sup.slots]  # type: ignore[attr-defined]
+    assert all(n >= MAX_STARTUP_FAILURES for n in failures), failures  # (the first there was retried meanwhile)
 
 
 @pytest.mark.parametrize("timeout", [0.5, 3.0])

@@ -281,15 +281,25 @@ class Coordinator:
         return ev.startup_error or E.SessionInitError(f"slot {slot.index} died during start-up: {ev.cause}")
 
     def _on_startup_death(self, slot: SlotRecord, error: E.SessionInitError) -> None:
+        """A start-up that died: retried after a back-off (0.1 s, doubling, at most 5 s). After
+        MAX_STARTUP_FAILURES in a row the engine stops once every slot is there (none serves, and
+        none is still starting with fewer failures in a row): a model that cannot load fails
+        loudly, each slot having failed that often, but one slot whose starts keep dying (killed
+        from outside, say by the OOM killer, while the host is short of memory) does not take
+        the others down with it; it goes on being retried, at most 5 s apart."""
         slot.startup_failures += 1
         slot.restarts += 1
         if slot.startup_failures >= MAX_STARTUP_FAILURES:
-            self.fail(E.SessionInitError(
-                f"slot {slot.index} failed to start {slot.startup_failures} times in a row; the engine "
-                f"stopped. Last: {error}"))
-            return
+            if not any(s.state.can_take or s.startup_failures < MAX_STARTUP_FAILURES for s in self.slots):
+                self.fail(E.SessionInitError(
+                    f"slot {slot.index} failed to start {slot.startup_failures} times in a row, and no "
+                    f"other slot serves or is yet to fail as often; the engine stopped. Last: {error}"))
+                return
+            log.error("slot %d failed to start %d times in a row (%s); the other slots serve on (or start), and "
+                      "it is retried (a back-off of at most 5 s)", slot.index, slot.startup_failures, error)
         delay = min(0.1 * 2 ** (slot.startup_failures - 1), 5.0)
-        log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
+        if slot.startup_failures < MAX_STARTUP_FAILURES:
+            log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
         slot.respawn_at = time.monotonic() + delay
 
     # -- the ledger's hooks ---------------------------------------------------------------------------
