@@ -340,6 +340,41 @@ def test_async_calls_one_at_a_time_take_the_express_lane(models, spin_us):
     assert st.accepted == st.completed and st.shm_inputs_used == 0
 
 
+def test_submit_async_takes_the_lane_with_the_owner_paths_result(models, tmp_path):
+    """`submit_async` of plain inputs, one at a time on a loop, goes the express lane too, and
+    its Result is what the owner thread's path makes: the task's id, its outputs
+    (byte-identical), the version, slot and worker that computed them, one attempt, its
+    timings (what `slabpool serve` answers with). A call whose worker dies in its run comes
+    back from the replay with two attempts, on the rebuilt or the other slot."""
+    loop = asyncio.new_event_loop()
+
+    def calls() -> list[Any]:
+        return [loop.run_until_complete(eng.submit_async(_row(i))) for i in range(8)]
+
+    def call(x: np.ndarray) -> Any:
+        return loop.run_until_complete(eng.submit_async(x))
+
+    try:
+        with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+            general = [eng.submit(_row(i)).result(60) for i in range(2)]  # (the owner thread's Results)
+            calls()  # (the first checks the signature; a loop is lent after two calm calls)
+            got = _express_run(eng, calls)
+            pids = {s.index: s.pid for s in eng._owner.slots}  # type: ignore[attr-defined]
+            died, tries = _marked_express_call(eng, H.KILL, call, lambda: [call(_row(i)) for i in range(2)])
+            version = eng.model_version
+    finally:
+        loop.close()
+    for r in (*general, *got):
+        assert r.model_version == version != "" and r.attempts == 1 and r.context is None and r.index is None
+        assert r.pid == pids[r.slot] and r.timings.total >= r.timings.run > 0 and r.timings.queued >= 0
+    ids = [r.task_id for r in got]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids) and ids[0] > general[-1].task_id
+    assert all(r.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes()
+               for i, r in enumerate(got))
+    assert died.attempts == 2 and died.model_version == version
+    assert died.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": _row(1, H.KILL, tries - 1)})["probs"].tobytes()
+
+
 @pytest.mark.parametrize("marker", [H.KILL, H.EXIT0], ids=["sigkill", "exit0"])
 def test_a_worker_that_dies_in_an_async_express_call_replays_it_once(models, tmp_path, marker):
     """The same on an event loop: the lend is the loop's (two calm calls first), the death

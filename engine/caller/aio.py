@@ -72,19 +72,12 @@ async def infer_async(eng: _Host, inputs: Any, kw: dict[str, Any]) -> Any:
     """`BaseEngine.infer_async()`: the outputs. A local engine's express lane takes an idle
     engine's call of plain inputs on the loop thread (engine.local.express), unless earlier
     calls still wait on the admission lane (they were accepted first); else `submit_async`."""
-    express = getattr(eng, "_express", None)
-    if express is not None and not kw:
-        lanes = _all_lanes.get(eng)
-        if lanes is None or not lanes.admit.backlog:
-            got = express.call_async(eng, inputs, asyncio.get_running_loop())
-            if got is not None:
-                fut, waiter = got
-                try:
-                    return await waiter
-                except asyncio.CancelledError:
-                    _cancel_task(eng, fut)
-                    raise
-    return (await submit_async(eng, inputs, **kw)).outputs
+    if kw:
+        return (await submit_async(eng, inputs, **kw)).outputs
+    got = _express(eng, inputs, result=False)
+    if got is not None:
+        return await _express_done(eng, *got)
+    return (await _submit_async(eng, inputs, None, None, None)).outputs
 
 
 async def submit_async(
@@ -96,10 +89,47 @@ async def submit_async(
     block_timeout: float | None = None,
 ) -> Result:
     """`BaseEngine.submit_async()`: admit without blocking the loop, then await the task
-    (cancelling the awaiting coroutine cancels it)."""
+    (cancelling the awaiting coroutine cancels it). Plain inputs alone take the express lane
+    as `infer_async`'s do, with the Result the owner's path makes (the version and the slot
+    that computed it: what `slabpool serve` answers with)."""
+    if context is None and deadline is None and block_timeout is None:
+        got = _express(eng, inputs, result=True)
+        if got is not None:
+            return cast("Result", await _express_done(eng, *got))
+    return await _submit_async(eng, inputs, context, deadline, block_timeout)
+
+
+async def _submit_async(eng: _Host, inputs: Any, context: dict[str, Any] | None, deadline: float | None,
+                        block_timeout: float | None) -> Result:
+    """`submit_async` past the express lane: admitted by the admission lane, then awaited."""
     loop = asyncio.get_running_loop()
     fut = await _admit(eng, loop, inputs, context, deadline, block_timeout, lend=True)
     return await _await_task(eng, loop, fut)
+
+
+def _express(eng: _Host, inputs: Any, result: bool) -> tuple[Future[Result], asyncio.Future[Any]] | None:
+    """The express lane's take of this call (engine.local.express: its task's Future and the
+    future of its outputs, or of its Result), or None: it is not there (another backend), the
+    call is not one it takes, or earlier calls still wait on the admission lane (they were
+    accepted first)."""
+    express = getattr(eng, "_express", None)
+    if express is None:
+        return None
+    lanes = _all_lanes.get(eng)
+    if lanes is not None and lanes.admit.backlog:
+        return None
+    return cast("tuple[Future[Result], asyncio.Future[Any]] | None",
+                express.call_async(eng, inputs, asyncio.get_running_loop(), result))
+
+
+async def _express_done(eng: _Host, fut: Future[Result], waiter: asyncio.Future[Any]) -> Any:
+    """What an express call gives (its outputs, or its Result); cancelling the awaiting
+    coroutine cancels its task."""
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        _cancel_task(eng, fut)
+        raise
 
 
 async def map_async(

@@ -84,12 +84,13 @@ class Express:
             return fut.result().outputs
         return self._wait(lend, fut)
 
-    def call_async(self, eng: Engine, inputs: Any,
-                   loop: asyncio.AbstractEventLoop) -> tuple[TaskFuture, asyncio.Future[Any]] | None:
+    def call_async(self, eng: Engine, inputs: Any, loop: asyncio.AbstractEventLoop,
+                   result: bool = False) -> tuple[TaskFuture, asyncio.Future[Any]] | None:
         """`infer_async(inputs)` through the express lane: its task's Future and the asyncio
-        future of its outputs, or None (nothing accepted). The slot is lent to the loop: a
-        reader on its pipe runs the same step on the loop thread, which never waits for the
-        owner lock (held: the lend goes back to the owner thread, FastPath.abandon)."""
+        future of its outputs (`result`: of its Result, as `submit_async` gives it), or None
+        (nothing accepted). The slot is lent to the loop: a reader on its pipe runs the same
+        step on the loop thread, which never waits for the owner lock (held: the lend goes
+        back to the owner thread, FastPath.abandon)."""
         fut = self._take(eng, inputs, loop=True)
         if fut is None:
             return None
@@ -100,9 +101,9 @@ class Express:
             if lend is not None:
                 self.fast.forsake_lend(lend)
             raise
-        waiter = aio.bridge(loop, fut, outputs=True)  # (off the happy path its Future completes)
+        waiter = aio.bridge(loop, fut, outputs=not result)  # (off the happy path its Future completes)
         if lend is not None:
-            self._watch(loop, lend, waiter)
+            self._watch(loop, lend, waiter, self._step_result if result else self._step)
         return fut, waiter
 
     def _take(self, eng: Engine, inputs: Any, loop: bool) -> TaskFuture | None:
@@ -238,19 +239,27 @@ class Express:
         outputs = self.fast.wait(lend, self._step)
         return outputs if outputs is not None else fut.result().outputs
 
-    def _watch(self, loop: asyncio.AbstractEventLoop, lend: Lend, waiter: asyncio.Future[Any]) -> None:
-        """The loop waits on its lent slot (aio.watch_lend) with this lane's step; the outputs
-        of its happy path settle the waiter at once (else the Future does, through bridge)."""
+    def _watch(self, loop: asyncio.AbstractEventLoop, lend: Lend, waiter: asyncio.Future[Any], step: Any) -> None:
+        """The loop waits on its lent slot (aio.watch_lend) with this lane's step; what its
+        happy path gives settles the waiter at once (else the Future does, through bridge)."""
 
         def deliver(outputs: Any) -> None:
             if not waiter.done():
                 waiter.set_result(outputs)
 
-        aio.watch_lend(loop, lend, self._step, deliver)
+        aio.watch_lend(loop, lend, step, deliver)
 
     def _step(self, lend: Lend, readable: bool) -> Any:
         """Under the lock: the outputs, if the worker's answer was this task's BatchDone alone
         and it ended there; else None after the owner's own step (`FastPath.step`)."""
+        return self._look(lend, readable, False)
+
+    def _step_result(self, lend: Lend, readable: bool) -> Any:
+        """`_step` for a caller that awaits the task's Result (`submit_async`): the Result the
+        owner's path makes (`Task.result`: the model version and the slot that computed it)."""
+        return self._look(lend, readable, True)
+
+    def _look(self, lend: Lend, readable: bool, result: bool) -> Any:
         if lend.over or not readable:
             self.fast.step(lend, readable)
             return None
@@ -272,7 +281,7 @@ class Express:
         got = self._copy_out(msg.outcomes[0].outputs)  # step 8
         if got is None:
             return self._general(lend, w, frames)
-        return self._finish(lend, slot, msg, got, time.perf_counter() - t0)
+        return self._finish(lend, slot, msg, got, time.perf_counter() - t0, result)
 
     def _general(self, lend: Lend, w: Any, frames: list[bytes]) -> None:
         """What was read, handled as the transport's own read and the owner's step handle it."""
@@ -301,19 +310,22 @@ class Express:
         return outputs, used
 
     def _finish(self, lend: Lend, slot: SlotRecord, msg: BatchDone, got: tuple[dict[Any, np.ndarray], int],
-                copy_s: float) -> Any:
+                copy_s: float, result: bool = False) -> Any:
         """Steps 8-9 of the happy path: the outputs copied out, the region and the inputs back,
         the task ended (counted; its Future is not completed: nobody but this call holds it),
         the slot idle and given back; what queued meanwhile dispatched, as after any Done."""
         task = lend.task
         now = time.monotonic()
         outputs, used = got
+        made = task.result(outputs, slot.model_version, slot.index, slot.pid, msg.run_s, copy_s,
+                           now) if result else None  # (before the slot is given back: its version is what ran)
         self.transport.delivered(lend.slot, used)
-        self.dispatcher.delivered(slot, task.timings(msg.run_s, copy_s, now), msg.rss, msg.in_place, now)
+        self.dispatcher.delivered(slot, made.timings if made else task.timings(msg.run_s, copy_s, now), msg.rss,
+                                  msg.in_place, now)
         self.fast.served += 1
         self.fast.give_back(lend)
         if len(self.queue) or not self.queue.hungry:  # (as FastPath.step, after a Done)
             self.dispatcher.dispatch(now)
             self.fast._tell_owner(now)
         self.ledger.flush()
-        return outputs
+        return made or outputs
