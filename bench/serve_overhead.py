@@ -2,8 +2,8 @@
 measured side by side in one run, and where it goes (the table in docs/serve.md).
 
 A server process runs the real server (engine/serve/server.py, one engine, 2 workers) with one
-more route, `GET /bench/engine`, which awaits `engine.infer_async` of the same tensor in that
-process and answers the nanoseconds it took. One client connection alternates: a JSON
+more route, `GET /bench/engine`, which awaits `engine.submit_async` (what the inference route
+awaits) of the same tensor in that process and answers the nanoseconds it took. One client connection alternates: a JSON
 inference, a binary one, the probe. So each server answer is paired with an engine round trip
 taken the moment before and after, on the same engine, under the same load:
 
@@ -37,8 +37,8 @@ _HOPS = [  # (name, from stamp, to stamp)
     ("HTTP parse (bytes in -> request)", "recv", "parsed"),
     ("to the route (started at once, or the app's task), body received", "parsed", "decode>"),
     ("decode (JSON / binary -> numpy)", "decode>", "decode<"),
-    ("front end to infer_async", "decode<", "eng>"),
-    ("infer_async (the engine)", "eng>", "eng<"),
+    ("front end to the engine", "decode<", "eng>"),
+    ("submit_async (the engine)", "eng>", "eng<"),
     ("select outputs, back to the handler", "eng<", "encode>"),
     ("encode", "encode>", "encode<"),
     ("encode -> send", "encode<", "write>"),
@@ -78,7 +78,7 @@ def serve(model: str, port_file: str, hops: bool) -> None:
             path = scope.get("path")
             if path == "/bench/engine":
                 t0 = time.perf_counter_ns()
-                await eng.infer_async(x)
+                await eng.submit_async(x)
                 await _answer(send, b"%d" % (time.perf_counter_ns() - t0))
             elif path == "/bench/hops":
                 await _answer(send, json.dumps(medians() if medians else {}).encode())
@@ -169,16 +169,16 @@ def _stamp(eng: Any) -> Any:
     around(http, "decode_request", "decode", lambda *a: st.update(kind="json" if a[3] is None else "binary"))
     around(http, "encode_response", "encode")
     around(core.Frontend, "record", "record")
-    infer = type(eng).infer_async
+    submit = type(eng).submit_async
 
-    async def infer_async(self: Any, *a: Any, **k: Any) -> Any:
+    async def submit_async(self: Any, *a: Any, **k: Any) -> Any:
         st["eng>"] = pc()
         try:
-            return await infer(self, *a, **k)
+            return await submit(self, *a, **k)
         finally:
             st["eng<"] = pc()
 
-    type(eng).infer_async = infer_async
+    type(eng).submit_async = submit_async
 
     def medians() -> dict[str, dict[str, float]]:
         out = {kind: {k: statistics.median(v) / 1e3 for k, v in h.items()} for kind, h in got.items()}

@@ -75,13 +75,28 @@ def _body(x: np.ndarray, fault: str | None = None, timeout_us: int | None = None
 
 def post(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) -> tuple[int, Any]:
     """(status, probs or the error message) for one raw HTTP request."""
-    head = json.dumps(_body(x, fault, kw.pop("timeout_us", None))).encode()
-    r = httpx.post(f"{srv.url}/v2/models/mlp/infer", content=head, timeout=kw.pop("timeout", 120),
-                   headers={"Inference-Header-Content-Length": str(len(head))})
+    r = _post(srv, x, fault, **kw)
     if r.status_code != 200:
         return r.status_code, r.json()["error"]
+    return 200, _probs(r, x)
+
+
+def _post(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) -> httpx.Response:
+    head = json.dumps(_body(x, fault, kw.pop("timeout_us", None))).encode()
+    return httpx.post(f"{srv.url}/v2/models/mlp/infer", content=head, timeout=kw.pop("timeout", 120),
+                      headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def _probs(r: httpx.Response, x: np.ndarray) -> np.ndarray:
     n = int(r.headers["inference-header-content-length"])
-    return 200, np.frombuffer(r.content[n:], np.float32).reshape(x.shape[0], 8)
+    return np.frombuffer(r.content[n:], np.float32).reshape(x.shape[0], 8)
+
+
+def versioned(srv: Server, x: np.ndarray, fault: str | None = None) -> tuple[str, np.ndarray]:
+    """(the model version the answer names, its probs) for one request that must succeed."""
+    r = _post(srv, x, fault)
+    assert r.status_code == 200, r.text
+    return json.loads(r.content[: int(r.headers["inference-header-content-length"])])["model_version"], _probs(r, x)
 
 
 def grpc_infer(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) -> tuple[str, Any]:
@@ -420,6 +435,60 @@ def test_reload_through_the_repository_extension_and_sighup(models, tmp_path):
         h.close()
         assert srv.stop() == 0, srv.stderr()
     finally:
+        if srv.proc.poll() is None:
+            srv.stop(signal.SIGKILL)
+        _servers.remove(srv)
+
+
+def _slot_versions(srv: Server) -> dict[str, str]:
+    """Each slot's model version, from /metrics (slabpool_slot_info)."""
+    text = httpx.get(f"{srv.url}/metrics").text
+    out = {}
+    for m in re.finditer(r'^slabpool_slot_info\{([^}]*)\} ', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels["slot"]] = labels["model_version"]
+    return out
+
+
+@pytest.mark.slow
+def test_each_answer_during_a_reload_names_the_version_that_computed_it(models, tmp_path):
+    """A reload swaps one slot at a time, and the model's version is the new one only once the
+    last has swapped: meanwhile one slot runs the new model and another the old. Each answer
+    names the version whose outputs it carries (was: the engine's version when it answered, so
+    the new model's outputs came labelled with the old version). Requests held in the workers
+    pin which slot runs what: A on slot 0 and B on slot 1, both on the old model; the reload
+    drains slot 0 (A answers: old), swaps it, then waits on slot 1 (B); C, sent then, runs on
+    slot 0 (new: the case that was wrong); B answers old; D, after, new."""
+    v2 = onnx_models.mlp(tmp_path / "v2.onnx", seed=1)
+    srv = Server(f"mlp={models.mlp}", "--workers", "2", *HOOKS)
+    _servers.append(srv)
+    rel_a, rel_b = tmp_path / "release-a", tmp_path / "release-b"
+    try:
+        old = httpx.get(f"{srv.url}/v2/models/mlp").json()["versions"][0]
+        xs = [_x(90 + i) for i in range(4)]
+        with ThreadPoolExecutor(3) as pool:
+            a = pool.submit(versioned, srv, xs[0], f"hold:{rel_a}")
+            wait_for(lambda: metric(srv, "slabpool_busy_slots") == 1, "slot 0 to hold A")
+            b = pool.submit(versioned, srv, xs[1], f"hold:{rel_b}")
+            wait_for(lambda: metric(srv, "slabpool_busy_slots") == 2, "slot 1 to hold B")
+            load = pool.submit(httpx.post, f"{srv.url}/v2/repository/models/mlp/load",
+                               json={"parameters": {"path": str(v2)}}, timeout=120)
+            rel_a.touch()
+            wait_for(lambda: _slot_versions(srv)["0"] not in ("", old), "slot 0 on the new model")
+            new = _slot_versions(srv)["0"]
+            assert _slot_versions(srv)["1"] == old and not load.done()  # (slot 1 drains B)
+            c = versioned(srv, xs[2])
+            rel_b.touch()
+            assert load.result().status_code == 200 and load.result().json()["version"] == new
+            d = versioned(srv, xs[3])
+            got = [a.result(), b.result(), c, d]
+        assert [v for v, _ in got] == [old, old, new, new]
+        for (_, probs), x, model in zip(got, xs, [models.mlp, models.mlp, v2, v2], strict=True):
+            assert probs.tobytes() == ort_run(model, {"x": x})["probs"].tobytes()
+        assert srv.stop() == 0, srv.stderr()
+    finally:
+        rel_a.touch()
+        rel_b.touch()
         if srv.proc.poll() is None:
             srv.stop(signal.SIGKILL)
         _servers.remove(srv)

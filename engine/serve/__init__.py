@@ -1,7 +1,7 @@
 """`slabpool serve`: the Open Inference Protocol (KServe V2) over HTTP and gRPC, on the engine.
 
 An application on the engine (DESIGN.md, "Applications on the engine"): it uses `Engine`'s
-public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the metrics module).
+public interface only (`submit_async`, `stats()`, `describe()`, `reload()`, the metrics module).
 
     client (tritonclient, curl, KServe)
       |  HTTP/REST: JSON or binary tensors            gRPC: inference.GRPCInferenceService
@@ -13,7 +13,7 @@ public interface only (`infer_async`, `stats()`, `describe()`, `reload()`, the m
       |  decode once into numpy (tensors.py)          |  raw_input_contents -> np.frombuffer
       +--------------------> core.Frontend <----------+
                                |  health, metadata: models.py (stats(), describe())
-                               |  infer: Engine.infer_async, one engine per model
+                               |  infer: Engine.submit_async, one engine per model
                                v
                              Engine: admission queue (503 when full), workers, crash replay
       <-- encode once: raw bytes / JSON data (tensors.py), errors as errors.py maps them

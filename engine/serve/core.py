@@ -6,10 +6,11 @@ an `InferRequest`, `Frontend.infer` runs it on the model's engine, the transport
     decode once -> InferRequest  ----->    draining? -> 503
                                            model, version -> 404
                                            outputs asked exist? -> 400
-                                           infer_async(inputs, deadline)  ---> contract (400), queue
+                                           submit_async(inputs, deadline) ---> contract (400), queue
                                              under the request's timeout       (503 when full), run,
                                              (504); client gone: cancelled     replay on a crash
-    encode once <- InferResponse  <----    outputs selected, as arrays  <---- outputs
+    encode once <- InferResponse  <----    outputs selected, as arrays, <---- outputs, the version
+                                           with that version                   that computed them
 
 Health is read here too: live while the process answers; ready while not draining and every
 model has a slot that can serve (engine/serve/models.py).
@@ -145,8 +146,9 @@ class Frontend:
 
     async def infer(self, req: InferRequest) -> InferResponse:
         """One request on its model's engine: checked, run under its timeout, its outputs
-        selected. Engine.infer_async is awaited here, not in a helper coroutine: each level is
-        a frame to enter and leave on the request's path (docs/serve.md)."""
+        selected, answered with the version that computed them. Engine.submit_async is awaited
+        here, not in a helper coroutine: each level is a frame to enter and leave on the
+        request's path (docs/serve.md)."""
         if self.draining:
             raise Unavailable("the server is draining (SIGTERM): it accepts no new request")
         served = self.repo[req.model]
@@ -157,12 +159,12 @@ class Frontend:
         self.inflight += 1
         try:
             if req.timeout is None:
-                outputs = await eng.infer_async(req.inputs)
+                done = await eng.submit_async(req.inputs)
             else:
                 if asyncio.current_task() is None:  # started at once by serve's protocol (eager.py):
                     await asyncio.sleep(0)  # a timeout needs a Task, which this bare yield moves to
                 async with asyncio.timeout(req.timeout):  # the engine's deadline covers the queue, this the rest
-                    outputs = await eng.infer_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
+                    done = await eng.submit_async(req.inputs, deadline=req.timeout, block_timeout=req.timeout)
         except TimeoutError as exc:  # asyncio's, or the engine's TaskTimeout (a deadline, --task-timeout)
             why = str(exc) or f"the request's timeout ({(req.timeout or 0) * 1e6:.0f} us) passed"
             raise ServeError(why, Status.DEADLINE_EXCEEDED) from None
@@ -172,7 +174,9 @@ class Frontend:
             self.inflight -= 1
             if self._idle is not None and not self.inflight:
                 self._idle.set()
-        return InferResponse(req.model, served.version, req.id, _select(outputs, req))
+        # the version that computed these outputs (during a reload the slots run two: the
+        # engine's own model_version may already name the other)
+        return InferResponse(req.model, done.model_version, req.id, _select(done.outputs, req))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Draining: True once every accepted request has been answered, False at `timeout`."""

@@ -2,7 +2,7 @@
 
     main thread, one uvloop event loop
       uvicorn (httptools) on the HTTP socket  --+
-      grpc.aio server on the gRPC port        --+--> Frontend --> Engine.infer_async (per model)
+      grpc.aio server on the gRPC port        --+--> Frontend --> Engine.submit_async (per model)
       SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
 
     drain: ready answers 503 / false and new inferences 503 / UNAVAILABLE at once; what was
