@@ -3,8 +3,8 @@ measured side by side in one run, and where it goes (the table in docs/serve.md)
 
 A server process runs the real server (engine/serve/server.py, one engine, 2 workers) with one
 more route, `GET /bench/engine`, which awaits `engine.submit_async` (what the inference route
-awaits) of the same tensor in that process and answers the nanoseconds it took. One client connection alternates: a JSON
-inference, a binary one, the probe. So each server answer is paired with an engine round trip
+awaits) of the same tensor in that process and answers the nanoseconds it took. One client
+connection alternates: a JSON inference, a binary one, the probe. So each server answer is paired with an engine round trip
 taken the moment before and after, on the same engine, under the same load:
 
     json - engine        what the server adds to a JSON request (client, TCP, HTTP, decode, encode)

@@ -25,11 +25,12 @@
      polls while its polls run out, nor on a host with more tasks runnable than CPUs
      (workers.wire.Spin).
 
-     express lane (engine.local.express): an idle call of plain inputs is accepted running
-     (never queued) and sent by the dispatcher's own send_batch to an idle slot lent to it;
-     its happy path's answer is copied out by its caller and ended by the dispatcher's
-     `delivered` (no Result, no Future to complete); anything else is the fast path's own
-     step. Its worker runs one plain task on a lean path (workers.lean).
+     express lane (engine.local.express): an idle call of plain inputs (infer, infer_async,
+     submit_async) is accepted running (never queued) and sent by the dispatcher's own
+     send_batch to an idle slot lent to it; its happy path's answer is copied out by its
+     caller and ended by the dispatcher's `delivered` (no Future to complete; a Result, as
+     step 9 makes it, only for submit_async); anything else is the fast path's own step. Its
+     worker runs one plain task on a lean path (workers.lean).
 
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime

@@ -289,17 +289,17 @@ class Coordinator:
         the others down with it; it goes on being retried, at most 5 s apart."""
         slot.startup_failures += 1
         slot.restarts += 1
-        if slot.startup_failures >= MAX_STARTUP_FAILURES:
-            if not any(s.state.can_take or s.startup_failures < MAX_STARTUP_FAILURES for s in self.slots):
-                self.fail(E.SessionInitError(
-                    f"slot {slot.index} failed to start {slot.startup_failures} times in a row, and no "
-                    f"other slot serves or is yet to fail as often; the engine stopped. Last: {error}"))
-                return
-            log.error("slot %d failed to start %d times in a row (%s); the other slots serve on (or start), and "
-                      "it is retried (a back-off of at most 5 s)", slot.index, slot.startup_failures, error)
         delay = min(0.1 * 2 ** (slot.startup_failures - 1), 5.0)
         if slot.startup_failures < MAX_STARTUP_FAILURES:
             log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
+        elif any(s.state.can_take or s.startup_failures < MAX_STARTUP_FAILURES for s in self.slots):
+            log.error("slot %d failed to start %d times in a row (%s); the other slots serve on (or start), and "
+                      "it is retried (a back-off of at most 5 s)", slot.index, slot.startup_failures, error)
+        else:
+            self.fail(E.SessionInitError(
+                f"slot {slot.index} failed to start {slot.startup_failures} times in a row, and no "
+                f"other slot serves or is yet to fail as often; the engine stopped. Last: {error}"))
+            return
         slot.respawn_at = time.monotonic() + delay
 
     # -- the ledger's hooks ---------------------------------------------------------------------------

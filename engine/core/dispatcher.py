@@ -179,7 +179,7 @@ class Dispatcher:
             elif o.error is not None:
                 finish(task, error=o.error)
             else:  # step 9
-                finish(task, result=task.result(o.outputs, version, slot.index, pid, per_task, o.copy_s, now))
+                finish(task, result=task.result(o.outputs, version, slot.index, pid, task.timings(per_task, o.copy_s, now)))
         if ev.in_place:
             self.ledger.count(Counter.OUTPUTS_IN_PLACE, ev.in_place)
         if split:

@@ -77,11 +77,9 @@ class Task:
         self.state.check(new)
         self.state = new
 
-    def result(self, outputs: Any, version: str, slot: int, pid: int, run_s: float, copy_s: float,
-               now: float) -> Result:
-        """Its Result (step 9): what computed it, and where its time went (`copy_s`: step 8)."""
-        return Result(self.id, outputs, version, slot, pid, self.attempts, self.timings(run_s, copy_s, now),
-                      self.context)
+    def result(self, outputs: Any, version: str, slot: int, pid: int, timings: Timings) -> Result:
+        """Its Result (step 9): what computed it, and where its time went (`timings`)."""
+        return Result(self.id, outputs, version, slot, pid, self.attempts, timings, self.context)
 
     def timings(self, run_s: float, copy_s: float, now: float) -> Timings:
         return Timings(queued=max(self.dispatched_at - self.accepted_at, 0.0), transfer=self.copy_in_s + copy_s,

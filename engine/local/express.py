@@ -313,19 +313,20 @@ class Express:
                 copy_s: float, result: bool = False) -> Any:
         """Steps 8-9 of the happy path: the outputs copied out, the region and the inputs back,
         the task ended (counted; its Future is not completed: nobody but this call holds it),
-        the slot idle and given back; what queued meanwhile dispatched, as after any Done."""
+        the slot idle and given back; what queued meanwhile dispatched, as after any Done. The
+        outputs, or (`result`) the Result the owner's path would have made."""
         task = lend.task
         now = time.monotonic()
         outputs, used = got
-        made = task.result(outputs, slot.model_version, slot.index, slot.pid, msg.run_s, copy_s,
-                           now) if result else None  # (before the slot is given back: its version is what ran)
+        timings = task.timings(msg.run_s, copy_s, now)
         self.transport.delivered(lend.slot, used)
-        self.dispatcher.delivered(slot, made.timings if made else task.timings(msg.run_s, copy_s, now), msg.rss,
-                                  msg.in_place, now)
+        self.dispatcher.delivered(slot, timings, msg.rss, msg.in_place, now)
         self.fast.served += 1
         self.fast.give_back(lend)
         if len(self.queue) or not self.queue.hungry:  # (as FastPath.step, after a Done)
             self.dispatcher.dispatch(now)
             self.fast._tell_owner(now)
         self.ledger.flush()
-        return made or outputs
+        if result:  # (the slot's incarnation, and so its version, is the one that ran it)
+            return task.result(outputs, slot.model_version, slot.index, slot.pid, timings)
+        return outputs
