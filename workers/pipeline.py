@@ -113,8 +113,19 @@ def run_in_steps(
     run: Callable[[dict[str, np.ndarray], float | None], dict[str, np.ndarray]],
     feeds: dict[str, np.ndarray], step: int, timeout: float | None,
 ) -> dict[str, np.ndarray]:
-    """run(feeds) in session calls of `step` rows (spans), the outputs concatenated on axis 0."""
-    parts = [run(part, left) for _, _, part, left in in_steps(feeds, step, timeout)]
+    """run(feeds) in session calls of `step` rows (spans), the outputs concatenated on axis 0.
+    Each call's outputs must hold its own rows on axis 0 (else ValueError): concatenated, they
+    are cut back into each call's rows (infer(batch_size=), a group of callers:
+    engine.caller.combine), and another count would hand one call's values to another."""
+    parts = []
+    for lo, hi, part, left in in_steps(feeds, step, timeout):
+        out = run(part, left)
+        if part is not feeds:
+            for name, v in out.items():
+                if getattr(v, "ndim", 0) == 0 or v.shape[0] != hi - lo:
+                    raise ValueError(f"output {name!r} of a session call of rows [{lo}, {hi}) has shape "
+                                     f"{getattr(v, 'shape', ())}, not those {hi - lo} rows on axis 0")
+        parts.append(out)
     return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
