@@ -32,6 +32,14 @@
      step 9 makes it, only for submit_async); anything else is the fast path's own step. Its
      worker runs one plain task on a lean path (workers.lean).
 
+     callers combined (engine.caller.combine): under load, infer() calls of plain inputs that
+     would queue wait together, a group a signature, and go as ONE task (their inputs
+     concatenated, `step` = a caller's rows: a session call each), run by one of them, the
+     leader, the way a call alone runs (lent a slot: Lender.LEADER); each caller copies its
+     own rows out. At most one task of ours a slot. A group's task that fails (a row's
+     error, a worker killed, outputs without the callers' rows, a close) sends each of its
+     callers alone, to its own outputs or error.
+
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime
      writes the outputs in place once it has seen the output shapes of that input signature
@@ -81,7 +89,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
   outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
   contiguous blocks, a session call each, several to a task, cut down to rows when a task
-  fails (`blocks`).
+  fails (`blocks`); `combine` makes the plain infer() calls that queue under load one task a
+  group (a local engine's; a RayEngine's go alone).
 - `engine.local`: `pool.Engine` (steps 1-2; `staged.Staged` is a task's inputs in the input
   arena) and its `supervisor` (the core's owner on `transport.LocalTransport`: spawn, reap,
   pipes, output regions and grants, revoked copies, step 8's copy out in `delivery`);

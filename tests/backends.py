@@ -80,6 +80,8 @@ LOCAL_ONLY = {
     "test_cli": "the CLI/job: `slabpool run` builds a local Engine (engine.job.cli)",
     "test_cli_safety": "the CLI/job: output safety of `slabpool run`, local engine only",
     "test_cli_signals": "the CLI/job: signals to `slabpool run` at each stage, local engine only",
+    "test_combine": "callers combined under load take the local engine's lent slots and its data-marked faults "
+                    "(tests/express_hooks.py patches the local worker's session); a RayEngine's infer() goes alone",
     "test_conventions": "the local engine's conventions: hook modules from the current folder, more workers "
                         "than CPUs, runtime chatter of local workers",
     "test_core_policy": "the owner core without processes (dispatch, the call bus, the ledger): no backend",

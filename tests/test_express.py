@@ -193,8 +193,8 @@ def test_close_with_a_timeout_cancels_an_express_call(models, tmp_path, monkeypa
 
 def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_path):
     """8 threads calling at once, with a worker killed in the middle: the express lane takes
-    the calls that find a slot idle, the others queue; every call gets its own row's outputs
-    exactly once, the books balance in tasks and items."""
+    the calls that find a slot idle, the others queue (in groups); every call gets its own
+    row's outputs exactly once, the books balance in tasks and items."""
     want = ort_run(models.mlp, {"x": ROWS})["probs"]
     got: dict[tuple[int, int], np.ndarray] = {}
     with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
@@ -219,7 +219,8 @@ def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_pat
         ref = ort_run(models.mlp, {"x": _row(i, H.KILL)})["probs"] if (k, j) == (3, 20) else want[i : i + 1]
         assert g.tobytes() == ref.tobytes()
     assert taken >= 1
-    assert (st.accepted, st.completed, st.failed, st.restarts) == (321, 321, 0, 1)
+    # (calls that queued went in groups, a task a group: engine.caller.combine)
+    assert st.accepted == st.completed <= 321 and (st.failed, st.restarts) == (0, 1)
     assert st.items_accepted == st.items_completed == 321
     assert st.shm_inputs_used == 0
 

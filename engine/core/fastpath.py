@@ -94,6 +94,7 @@ class Lender(enum.Enum):
     NONE = "none"
     THREAD = "thread"
     LOOP = "loop"
+    LEADER = "leader"  # a thread that runs a group of callers' task (engine.caller.combine)
 
 
 @dataclass(eq=False)
@@ -215,7 +216,11 @@ class FastPath:
             calm, self.loop_calm = self.loop_calm, alone and not (self.lent or co.ledger.in_flight())
             if not (calm and self.loop_calm):
                 return False
-        if co.thread.pending or not alone:
+        if co.thread.pending:
+            return False
+        if lending is Lender.LEADER:  # (the callers are batched already: any idle slot will do)
+            return True
+        if not alone:
             return False
         for s in co.slots:  # (a loop, not any() of a generator: asked on every call)
             if s.batches and s.index not in self.lent:

@@ -61,6 +61,9 @@ def _after_fork_in_child() -> None:
     for engine in list(_ENGINES):
         engine._inherited = why = _why(engine._owner_pid)
         engine._state = EngineState.CLOSED  # for this process (repr, stats); the parent's goes on
+        combiner = getattr(engine, "_combiner", None)
+        if combiner is not None:
+            combiner.forsake()  # (its lock may have been held at the fork)
         owner = getattr(engine, "_owner", None)
         if owner is not None:
             owner.forsake(why)  # cancel(), reload(): fail at once instead of waiting for ever

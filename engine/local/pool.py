@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from slabpool.engine.caller.base import BaseEngine
+from slabpool.engine.caller.combine import Combiner
 from slabpool.engine.caller.handles import TaskFuture
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core import interrupts
@@ -117,6 +118,7 @@ class Engine(BaseEngine):
         )
         self._queue.set_wake(self._sup.fast.on_wake)  # a caller may dispatch itself (core.fastpath)
         self._express = Express(self)
+        self._combiner = Combiner(self.config)
         self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(
@@ -185,7 +187,7 @@ class Engine(BaseEngine):
                 self._inputs.release(lease)  # (accepted, its batch's end frees it: once)
             interrupts.leave_quietly()
             raise
-        if fut.lend is None or who is not Lender.THREAD:
+        if fut.lend is None or who is Lender.NONE or who is Lender.LOOP:
             self._leave_stretch(fut)
         return fut  # a thread's lend: its wait ends the stretch (FastPath.wait)
 
@@ -200,17 +202,28 @@ class Engine(BaseEngine):
             raise
 
     def _call(self, inputs: Any, kw: dict[str, Any]) -> Any:
-        if not kw:  # an idle engine's one call in the fewest steps (engine.local.express)
-            outputs = self._express.call(self, inputs)
-            if outputs is not None:
-                return outputs
+        if not kw:  # alone while the engine has room, else in a group (engine.caller.combine)
+            return self._combiner.call(self, inputs, self._alone, self._run_group)
         return self._lent_call(functools.partial(self.submit, inputs, **kw))
 
-    def _lent_call(self, submit: Callable[[], Future[Result]]) -> Any:
+    def _alone(self, inputs: Any) -> Any:
+        """One plain call as one task: an idle engine's in the fewest steps (engine.local.express)."""
+        outputs = self._express.call(self, inputs)
+        if outputs is not None:
+            return outputs
+        return self._lent_call(functools.partial(self.submit, inputs))
+
+    def _run_group(self, request: Request) -> Any:
+        """A group's task (engine.caller.combine), on its leader's thread: lent a slot wherever
+        one is idle (Lender.LEADER)."""
+        return self._lent_call(functools.partial(self._submit, request), Lender.LEADER)
+
+    def _lent_call(self, submit: Callable[[], Future[Result]], who: Lender = Lender.THREAD) -> Any:
         """infer() of one task: on an idle engine its slot is lent to this thread, which
         waits on the worker's pipe and runs steps 8-9 itself (engine.core.fastpath); else, or
-        once the owner thread takes over, it waits on the Future."""
-        fut = self._lending_submit(submit, Lender.THREAD)
+        once the owner thread takes over, it waits on the Future. (`who`: LEADER, a group's
+        task, engine.caller.combine: lent wherever a slot is idle.)"""
+        fut = self._lending_submit(submit, who)
         lend = getattr(fut, "lend", None)
         if lend is not None:
             self._sup.fast.wait(lend)  # (it ends the stretch _enqueue began)

@@ -1,0 +1,259 @@
+"""Callers combined under load (engine.caller.combine, issue 21): `infer()` calls that queue
+while every slot is busy go as one task a group, a session call per caller, and each caller
+gets its own rows' outputs, byte for byte what its call alone gives. What goes wrong with a
+group's task sends each of its callers back alone, to its own outputs or its own error:
+a row that fails, a worker that a row kills again and again, outputs without their rows, the
+engine closing. A group whose worker dies once is replayed whole.
+
+The load is made by the input's own data (tests/express_hooks.py): two calls whose rows hold
+the HANG marker hold both workers in their session run until the test opens the gate, while
+the other callers join a group; the waits only catch deadlocks.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slabpool import Engine
+from slabpool.workers.errors import EngineClosed, PoisonTask, SessionRunError
+from tests import express_hooks as H
+from tests.reference import ort_run
+from tests.test_fastpath import _until
+
+HOOK = "tests.express_hooks:die_on_marker"
+ROWS = np.random.default_rng(5).standard_normal((64, 16)).astype(np.float32)
+
+
+def _combiner(eng: Engine) -> Any:
+    return eng._combiner  # type: ignore[attr-defined]
+
+
+def _held(eng: Engine, gate: Path, holds: list[Any], group: list[Any], holder: Any = None) -> dict[int, Any]:
+    """Both workers held by a marked call each (`holds`: their inputs), then one caller a
+    thread for each of `group`'s inputs, all of them joining one group; the gate opens once
+    the group holds them all. Each call's outputs (or its error), by its place in `group`
+    (the holds' as -1, -2)."""
+    cb = _combiner(eng)
+    out: dict[int, Any] = {}
+
+    def call(i: int, x: Any) -> None:
+        try:
+            out[i] = eng.infer(x)
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(-1 - j, x)) for j, x in enumerate(holds)]
+    for t in threads:
+        t.start()
+    _until(lambda: cb.active == len(holds) and eng.stats().queued == 0
+           and sum(s.state == "BUSY" for s in eng.stats().slots) == len(holds), "both workers held")
+    more = [threading.Thread(target=call, args=(i, x)) for i, x in enumerate(group)]
+    for t in more:
+        t.start()
+    _until(lambda: len(cb.line) == 1 and len(cb.line[0].inputs) == len(group), "the group holds its callers")
+    if holder is not None:
+        holder()
+    (gate / "open").touch()
+    for t in threads + more:
+        t.join(120)
+        assert not t.is_alive()
+    return out
+
+
+def _hold(tag: int) -> np.ndarray:
+    x = ROWS[:1].copy()
+    x[0, 0], x[0, 1] = H.HANG, tag
+    return x
+
+
+def test_queued_callers_share_one_task_and_each_gets_its_own_rows(models, tmp_path):
+    """Six callers that queue behind two held calls go as one task; each gets its own row's
+    outputs, byte-identical to the session in-process; the books count one task and six items."""
+    rows = [ROWS[i : i + 1] for i in range(2, 8)]
+    want = [ort_run(models.mlp, {"x": r}) for r in rows]
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(ROWS[:1])  # (the door checks the signature once)
+        before = eng.stats()
+        out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows)
+        cb, st = _combiner(eng), eng.stats()
+    for i, w in enumerate(want):
+        assert set(out[i]) == set(w) and all(out[i][k].tobytes() == w[k].tobytes() for k in w)
+        assert all(v.flags.owndata and v.flags.writeable for v in out[i].values())
+    assert (cb.groups, cb.combined) == (1, 6)
+    assert (st.accepted - before.accepted, st.completed - before.completed) == (3, 3)
+    assert (st.items_accepted - before.items_accepted, st.items_completed - before.items_completed) == (8, 8)
+    assert st.shm_inputs_used == 0
+
+
+def test_each_caller_of_a_group_is_its_own_session_call(models, tmp_path):
+    """A model whose every output row depends on the other rows of its session call
+    (batch_centered): callers of three rows each, combined, get what their call alone gives,
+    not rows centred over the group."""
+    rng = np.random.default_rng(9)
+    rows = [rng.standard_normal((3, 16)).astype(np.float32) for _ in range(5)]
+    want = [ort_run(models.centered, {"x": r})["y"] for r in rows]
+    holds = []
+    for tag in range(2):
+        h = rng.standard_normal((3, 16)).astype(np.float32)
+        h[0, 0], h[0, 1] = H.HANG, tag
+        holds.append(h)
+    with Engine(models.centered, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(rows[0])
+        out = _held(eng, tmp_path, holds, rows)
+        cb = _combiner(eng)
+    assert (cb.groups, cb.combined) == (1, 5)
+    for i, w in enumerate(want):
+        assert out[i]["y"].shape == (3, 16) and out[i]["y"].tobytes() == w.tobytes()
+
+
+def test_a_failing_row_fails_its_own_caller_only(models, tmp_path):
+    """One caller's row makes the session raise (an index out of range): the group's task
+    fails, and each caller goes alone: that one gets its SessionRunError, the others their
+    outputs; items: eight accepted, seven completed, one failed."""
+    idx = [np.array([i % 10], dtype=np.int64) for i in range(6)]
+    idx[3] = np.array([99], dtype=np.int64)
+    xs = [np.full((1, 4), float(i), dtype=np.float32) for i in range(6)]
+    group = [{"idx": i, "x": x} for i, x in zip(idx, xs, strict=True)]
+    holds = [{"idx": np.array([int(H.HANG)], dtype=np.int64), "x": np.full((1, 4), float(t), np.float32)}
+             for t in range(2)]
+    with Engine(models.poison, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(group[0])
+        before = eng.stats()
+        out = _held(eng, tmp_path, holds, group)
+        st = eng.stats()
+    for i in range(6):
+        if i == 3:
+            assert isinstance(out[i], SessionRunError)
+        else:
+            assert out[i]["y"].tobytes() == ort_run(models.poison, group[i])["y"].tobytes()
+    assert all(isinstance(out[h], SessionRunError) for h in (-1, -2))  # (the holds' index is out of range too)
+    assert st.items_accepted - before.items_accepted == 8
+    assert (st.items_completed - before.items_completed, st.items_failed - before.items_failed) == (5, 3)
+    assert st.shm_inputs_used == 0
+
+
+@pytest.mark.parametrize("marker", [H.KILL, H.ALWAYS], ids=["killed-once", "kills-every-time"])
+def test_a_group_whose_worker_dies(models, tmp_path, marker):
+    """A row that SIGKILLs its worker once: the group is replayed whole, every caller gets its
+    outputs. A row that kills every worker that runs it: the group is quarantined, each caller
+    goes alone, and only that row's caller ends in PoisonTask."""
+    rows = [ROWS[i : i + 1].copy() for i in range(2, 8)]
+    rows[2][0, 0], rows[2][0, 1] = marker, 7
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(ROWS[:1])
+        out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows)
+        st = eng.stats()
+    for i, r in enumerate(rows):
+        if i == 2 and marker == H.ALWAYS:
+            assert isinstance(out[i], PoisonTask)
+        else:
+            assert out[i]["probs"].tobytes() == ort_run(models.mlp, {"x": r})["probs"].tobytes()
+    assert st.restarts >= 1 and st.shm_inputs_used == 0
+    assert st.items_accepted == st.items_completed + st.items_failed
+
+
+def test_outputs_without_the_callers_rows_send_each_caller_alone(models, tmp_path):
+    """NonZero's output is [2, nnz], whatever the rows: each session call's outputs fail the
+    worker's check, and each caller gets its own call's outputs alone."""
+    rng = np.random.default_rng(2)
+    rows = [(rng.random((1, 8)) > 0.5).astype(np.float32) for _ in range(4)]
+    holds = []
+    for tag in range(2):
+        h = np.ones((1, 8), np.float32)
+        h[0, 0], h[0, 1] = H.HANG, tag
+        holds.append(h)
+    with Engine(models.nonzero, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(rows[0])
+        out = _held(eng, tmp_path, holds, rows)
+        cb = _combiner(eng)
+    assert cb.combined == 0
+    for i, r in enumerate(rows):
+        assert out[i]["idx"].tobytes() == ort_run(models.nonzero, {"x": r})["idx"].tobytes()
+
+
+def test_callers_waiting_in_a_group_when_the_engine_closes(models, tmp_path):
+    """close() while a group waits for a slot: the held calls finish (a drain), the group's
+    callers each end once with EngineClosed; nothing hangs, nothing stays leased."""
+    rows = [ROWS[i : i + 1] for i in range(2, 6)]
+    eng = Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),))
+    closer = threading.Thread(target=eng.close)
+    try:
+        eng.infer(ROWS[:1])
+
+        def close_first() -> None:
+            closer.start()
+            _until(lambda: eng.state.name != "ACCEPTING", "close() has begun")
+
+        out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows, holder=close_first)
+    finally:
+        closer.join(60)
+        eng.close()
+    assert all("probs" in out[h] for h in (-1, -2))
+    assert all(isinstance(out[i], EngineClosed) for i in range(4))
+    st = eng.stats()
+    assert st.items_accepted == st.items_completed + st.items_failed
+
+
+def test_what_goes_alone(models):
+    """Calls that do not combine: a model without a dynamic axis 0, dynamic batching (it stacks
+    under load itself), a signature the door has not checked, a call with a keyword."""
+    with Engine(models.static, workers=1) as eng:
+        x = np.ones((2, 16), np.float32)
+        eng.infer(x)
+        assert _combiner(eng)._combinable(eng, x) is None
+    with Engine(models.mlp, workers=1, max_batch_size=8) as eng:
+        assert not _combiner(eng).on
+    with Engine(models.mlp, workers=1) as eng:
+        assert _combiner(eng)._combinable(eng, ROWS[:1]) is None  # (a signature the door has not checked)
+        eng.infer(ROWS[:1], context={"k": 1})  # (a keyword: the call goes its own way)
+        assert _combiner(eng).inside == 0
+        assert _combiner(eng)._combinable(eng, ROWS[:1]) is not None
+
+
+def test_a_caller_interrupted_while_its_group_waits(models, tmp_path):
+    """Ctrl-C (a real SIGINT) in the main thread while it waits first in a group: it raises
+    KeyboardInterrupt at once, leaves the group (its row still runs, its outputs unread), and
+    the next caller leads the group when a slot frees: the others get their outputs."""
+    rows = [ROWS[i : i + 1] for i in range(2, 7)]
+    out: dict[int, Any] = {}
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(ROWS[:1])
+        cb = _combiner(eng)
+        holds = [threading.Thread(target=eng.infer, args=(_hold(t),)) for t in range(2)]
+        for t in holds:
+            t.start()
+        _until(lambda: cb.active == 2 and eng.stats().queued == 0
+               and sum(s.state == "BUSY" for s in eng.stats().slots) == 2, "both workers held")
+        main = threading.get_ident()
+
+        def call(i: int) -> None:
+            out[i] = eng.infer(rows[i])
+
+        others = [threading.Thread(target=call, args=(i,)) for i in range(1, 5)]
+
+        def conduct() -> None:
+            _until(lambda: len(cb.line) == 1 and len(cb.line[0].inputs) == 1, "the main thread waits in a group")
+            for t in others:
+                t.start()
+            _until(lambda: len(cb.line[0].inputs) == 5, "the group holds its callers")
+            group = cb.line[0]
+            signal.pthread_kill(main, signal.SIGINT)
+            _until(lambda: group.waiters[0] is None, "the main thread left its group")
+            (tmp_path / "open").touch()
+
+        conductor = threading.Thread(target=conduct)
+        conductor.start()
+        with pytest.raises(KeyboardInterrupt):
+            eng.infer(rows[0])
+        for t in [conductor, *holds, *others]:
+            t.join(120)
+            assert not t.is_alive()
+        assert (cb.groups, cb.combined) == (1, 4)
+    for i in range(1, 5):
+        assert out[i]["probs"].tobytes() == ort_run(models.mlp, {"x": rows[i]})["probs"].tobytes()
