@@ -16,11 +16,13 @@ at the same concurrency (latency: lower is better; calls/s: higher is better).
     ray          RayEngine.infer(x), with --ray        (a private local Ray instance)
 
 `--ab` adds, interleaved with each infer and async cell on the same engine, the same cell with
-no spinning (`spin_us=0`: a lent call's caller and worker sleep at once, "... [no spin]"), with
-the express lane off (engine.local.express: the fast path's general steps, "... [no express]")
-and with the fast path off too (engine.core.fastpath: every call through the owner thread, the
-path before issue 21, "... [owner thread]"): the A/B for a shared machine, where only cells
-measured side by side compare. The switches are the benchmark's, not the product's.
+callers not combined (engine.caller.combine: every queued call its own task, "... [no
+combining]"), with no spinning (`spin_us=0`: a lent call's caller and worker sleep at once,
+"... [no spin]"), with the express lane off (engine.local.express: the fast path's general
+steps, "... [no express]") and with the fast path off too (engine.core.fastpath: every call
+through the owner thread, the path before issue 21, "... [owner thread]"): the A/B for a
+shared machine, where only cells measured side by side compare. The switches are the
+benchmark's, not the product's.
 
 The default run takes about a minute; `--long` measures 10 s a cell.
 """
@@ -336,27 +338,36 @@ def run(args: argparse.Namespace, model: str, item: Any) -> list[Row]:
 
 def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str], rows: list[Row]) -> None:
     """Engine.infer and infer_async at each concurrency; with --ab each cell is followed by the
-    same cell with the fast path off, on the same engine."""
-    fast, express = eng._owner.fast, getattr(eng, "_express", None)
-    modes = [(True, True, 1, ""), (True, True, 0, " [no spin]"), (True, False, 1, " [no express]"),
-             (False, False, 1, " [owner thread]")] if args.ab else [(True, True, 1, "")]
+    same cell with each part of the call path off in turn, on the same engine."""
+    fast, express, combiner = eng._owner.fast, getattr(eng, "_express", None), getattr(eng, "_combiner", None)
+    # (fast path, express lane, spinning, callers combined, tag)
+    modes = [(True, True, 1, True, ""), (True, True, 1, False, " [no combining]"), (True, True, 0, True, " [no spin]"),
+             (True, False, 1, True, " [no express]"),
+             (False, False, 1, False, " [owner thread]")] if args.ab else [(True, True, 1, True, "")]
     if express is None:  # (Ray: one path)
         modes = modes[:1]
-    lane_on = express is not None and express.on
+    lane_on, combine_on = express is not None and express.on, combiner is not None and combiner.on
     transport, spin_s = getattr(eng, "_transport", None), fast.spin_s
     for c in args.concurrency:
-        for on, lane, spin, tag in modes:
+        for on, lane, spin, combine, tag in modes:
             fast.enabled = on and fast.transport is not None
             fast.spin_s = spin * spin_s
             if transport is not None:
                 transport.spin_s = spin * spin_s
             if express is not None:
                 express.on = lane and lane_on
+            if combiner is not None:
+                combiner.on = combine and combine_on
             try:
                 if "infer" in want:
+                    before = (combiner.groups, combiner.combined) if combiner is not None else (0, 0)
                     rows.append(summarize("Engine.infer" + tag, c,
                                           *measured(functools.partial(drive, eng.infer, item, c, args.seconds))))
                     _print_row(rows[-1], None)
+                    if combiner is not None and combiner.groups > before[0]:
+                        groups, calls = combiner.groups - before[0], combiner.combined - before[1]
+                        print(f"  (combined: {calls / rows[-1].calls:.0%} of the calls, {calls / groups:.1f} a task)",
+                              flush=True)
                 if "async" in want:
                     rows.append(summarize("Engine.infer_async" + tag, c,
                                           *measured(functools.partial(drive_async, eng.infer_async, item, c, args.seconds))))
@@ -368,6 +379,8 @@ def _engine_cells(args: argparse.Namespace, eng: Any, item: Any, want: set[str],
                     transport.spin_s = spin_s
                 if express is not None:
                     express.on = lane_on
+                if combiner is not None:
+                    combiner.on = combine_on
 
 
 def _print_row(row: Row, ref: Row | None) -> None:
