@@ -179,9 +179,11 @@ def test_outputs_without_the_callers_rows_send_each_caller_alone(models, tmp_pat
 
 def test_callers_waiting_in_a_group_when_the_engine_closes(models, tmp_path):
     """close() while a group waits for a slot: the held calls finish (a drain), the group's
-    callers each end once with EngineClosed; nothing hangs, nothing stays leased."""
+    callers each end once with EngineClosed; nothing hangs, nothing stays leased, and close()
+    returns once the last call has ended (a lent call's end wakes the draining owner thread,
+    whose next timer is 600 s out here)."""
     rows = [ROWS[i : i + 1] for i in range(2, 6)]
-    eng = Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),))
+    eng = Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),), stall_after=600.0)
     closer = threading.Thread(target=eng.close)
     try:
         eng.infer(ROWS[:1])
@@ -193,7 +195,9 @@ def test_callers_waiting_in_a_group_when_the_engine_closes(models, tmp_path):
         out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows, holder=close_first)
     finally:
         closer.join(60)
+        stuck = closer.is_alive()
         eng.close()
+    assert not stuck, "close() waited for the owner thread's next timer (600 s out)"
     assert all("probs" in out[h] for h in (-1, -2))
     assert all(isinstance(out[i], EngineClosed) for i in range(4))
     st = eng.stats()

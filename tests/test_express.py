@@ -191,6 +191,41 @@ def test_close_with_a_timeout_cancels_an_express_call(models, tmp_path, monkeypa
     assert taken, "no hung call went the express lane in 5 tries"
 
 
+@pytest.mark.parametrize("lane", ["express", "fast path"])
+def test_close_drains_a_lent_call_as_soon_as_it_ends(models, tmp_path, lane):
+    """close() while a lent call runs (its caller reads the answer, not the owner thread): the
+    call ends with its outputs, and close() returns at once after, not at the owner thread's
+    next timer (a stall check set 600 s out here: the join's 60 s only catches that)."""
+    for attempt in range(5):
+        gate = tmp_path / f"try{attempt}"
+        gate.mkdir()
+        eng = Engine(models.mlp, workers=1, initializer=HOOK, initargs=(str(gate),), stall_after=600.0)
+        _lane(eng).on = lane == "express"
+        out: list[Any] = []
+        eng.infer(_row(0))
+
+        def call() -> None:
+            out.append(eng.infer(_row(1, H.HANG)))
+
+        _owner_asleep(eng)
+        lends = eng._owner.fast.lends
+        t = threading.Thread(target=call)
+        t.start()
+        _until(lambda: (gate / "started").exists(), "the call runs")
+        lent = eng._owner.fast.lends == lends + 1
+        closer = threading.Thread(target=eng.close)
+        closer.start()
+        _until(lambda: eng._owner.ledger.closing is not None, "close() drains")
+        (gate / "open").touch()
+        t.join(60)
+        closer.join(60)
+        assert not t.is_alive() and not closer.is_alive(), "close() waited for the owner's timer"
+        assert out[0]["probs"].shape == (1, 8)
+        if lent:
+            return
+    raise AssertionError("no hung call was lent in 5 tries")
+
+
 def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_path):
     """8 threads calling at once, with a worker killed in the middle: the express lane takes
     the calls that find a slot idle, the others queue (in groups); every call gets its own

@@ -251,12 +251,19 @@ class FastPath:
         dispatches at its completion, or lent, and its lender dispatches when it gives it back
         (or tells the owner, off the happy path)."""
         co = self.co
-        if co.thread.pending or co.reload is not None or co.ledger.closing is not None or co.ledger.failure is not None:
+        if self.owner_waits():
             co.wake()
             return
         wait = co.next_timer(now, self.reclaim_at())
         if wait is not None and now + wait < self.sleep_until:
             co.wake()
+
+    def owner_waits(self) -> bool:
+        """The owner thread has something to do as soon as a lent call has ended: a close (it
+        drains: the end of each task in flight is its news), a reload, a call, a failure."""
+        co = self.co
+        return (co.thread.pending or co.reload is not None or co.ledger.closing is not None
+                or co.ledger.failure is not None)
 
     def _interrupted(self, exc: BaseException) -> None:
         """What interrupts a caller's turn as the owner (the lock held) fails the engine, as a
@@ -373,6 +380,8 @@ class FastPath:
             now = time.monotonic()
             co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
             self._tell_owner(now)  # (no dispatch, no new timer: the owner's can only have ended)
+        elif self.owner_waits():
+            co.wake()
         co.ledger.flush()
 
     def _waiting(self, lend: Lend) -> bool:

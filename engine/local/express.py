@@ -326,6 +326,8 @@ class Express:
         if len(self.queue) or not self.queue.hungry:  # (as FastPath.step, after a Done)
             self.dispatcher.dispatch(now)
             self.fast._tell_owner(now)
+        elif self.fast.owner_waits():  # (a close drains: this task's end is its news)
+            self.co.wake()
         self.ledger.flush()
         if result:  # (the slot's incarnation, and so its version, is the one that ran it)
             return task.result(outputs, slot.model_version, slot.index, slot.pid, timings)
