@@ -95,8 +95,8 @@ class Combiner:
         self.line: deque[Group] = deque()  # groups waiting to go, oldest first
         self.forming: dict[Any, Group] = {}  # signature -> the group that takes callers now
         self._rows: dict[Any, int | None] = {}  # signature -> a caller's rows, None: goes alone
-        self.groups = 0  # tasks run for groups of callers (stats for tests and bench.latency)
-        self.combined = 0  # calls answered through a group
+        self.groups = 0  # groups of callers whose task gave their outputs (stats for tests and bench.latency)
+        self.combined = 0  # calls answered through those
 
     def forsake(self) -> None:
         """In a forked child: no lock of the parent's is taken (the engine refuses calls there)."""
@@ -265,7 +265,7 @@ class Combiner:
                 if isinstance(outputs, dict) and all(
                         isinstance(v, np.ndarray) and v.ndim and v.shape[0] == k * rows for v in outputs.values()):
                     group.outputs = outputs
-                self.groups += 1
+                    eng._tally(completed=k)
         except Exception:  # the callers learn what failed from their own calls
             if k == 1:
                 raise
@@ -273,6 +273,9 @@ class Combiner:
             group.ended = True
             with self.lock:
                 self.active -= 1
+                if k > 1 and group.outputs is not None:
+                    self.groups += 1
+                    self.combined += sum(w is not None for w in group.waiters)  # (not those that left)
                 due = self._due()
             for i, w in enumerate(group.waiters):
                 if i != index and w is not None:
@@ -292,10 +295,7 @@ class Combiner:
         if k == 1:
             return outputs
         rows = group.rows
-        mine = {n: v[index * rows:(index + 1) * rows].copy() for n, v in outputs.items()}
-        eng._tally(completed=1)
-        self.combined += 1
-        return mine
+        return {n: v[index * rows:(index + 1) * rows].copy() for n, v in outputs.items()}
 
     def _fallback(self, eng: BaseEngine, inputs: Any, run: Run) -> Outputs:
         """A caller of a group whose task failed: its own call, as one task (its item counted

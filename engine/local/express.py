@@ -72,10 +72,12 @@ class Express:
         self._layouts: dict[tuple[Any, ...], tuple[Any, list[int], int] | None] = {}
         self.taken = 0  # calls accepted through this lane (stats for tests and bench.latency)
 
-    def call(self, eng: Engine, inputs: Any) -> Any:
+    def call(self, eng: Engine, inputs: Any, step: int = 0) -> Any:
         """The outputs of `infer(inputs)` taken through the express lane; None when it does not
-        take it (nothing was accepted: the caller goes the general way)."""
-        fut = self._take(eng, inputs, loop=False)
+        take it (nothing was accepted: the caller goes the general way). `step`: the inputs are
+        a group of callers' rows (engine.caller.combine), one task that counts no items, a
+        session call of `step` rows each, as `Request(units=0, step=step)` makes it."""
+        fut = self._take(eng, inputs, loop=False, step=step)
         if fut is None:
             return None
         lend = fut.lend
@@ -106,7 +108,7 @@ class Express:
             self._watch(loop, lend, waiter, self._step_result if result else self._step)
         return fut, waiter
 
-    def _take(self, eng: Engine, inputs: Any, loop: bool) -> TaskFuture | None:
+    def _take(self, eng: Engine, inputs: Any, loop: bool, step: int = 0) -> TaskFuture | None:
         """Steps 1-4 if the lane takes this call: its Future (`lend`: the slot lent to it), in
         the Ctrl-C stretch that the wait ends; None, nothing accepted, no stretch."""
         fast = self.fast
@@ -119,12 +121,14 @@ class Express:
         known = eng._admitted.get(sig)  # step 1: a signature the door has checked
         if known is None:
             return None
+        if step:  # (a block, as BaseEngine._submit admits one: never stacked, no items)
+            known = (("block", known[1], known[0]), 0)
         lay = self._layouts[sig] if sig in self._layouts else self._learn(sig, inputs)
         if lay is None:
             return None
         interrupts.enter()  # (from the accept to the lend's wait a Ctrl-C waits: engine.core.interrupts)
         try:
-            fut = self._dispatch(eng, inputs, known, lay, loop)
+            fut = self._dispatch(eng, inputs, known, lay, loop, step)
         except BaseException:
             interrupts.leave_quietly()
             raise
@@ -145,7 +149,7 @@ class Express:
         return lay
 
     def _dispatch(self, eng: Engine, inputs: dict[Any, Any], known: tuple[Any, int],
-                  lay: tuple[Any, list[int], int], loop: bool) -> TaskFuture | None:
+                  lay: tuple[Any, list[int], int], loop: bool, step: int = 0) -> TaskFuture | None:
         """Steps 2-4 under the owner lock, if it is free and a slot is idle; the Future (its
         `lend` the slot lent to this thread), or None: nothing accepted.
 
@@ -175,7 +179,7 @@ class Express:
                 key, items = known
                 task = self.queue.accept_running(lambda task_id: Task(
                     task_id, fut, Staged(packed, lease, None), key, items, None, 0, None, None, copy_in_s=copy_s,
-                    nbytes=nbytes))
+                    nbytes=nbytes, units=0 if step else 1, step=step))
             except BaseException:
                 arena.release(lease)
                 raise

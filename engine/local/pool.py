@@ -214,8 +214,12 @@ class Engine(BaseEngine):
         return self._lent_call(functools.partial(self.submit, inputs))
 
     def _run_group(self, request: Request) -> Any:
-        """A group's task (engine.caller.combine), on its leader's thread: lent a slot wherever
-        one is idle (Lender.LEADER)."""
+        """A group's task (engine.caller.combine), on its leader's thread: the express lane's
+        when a slot is idle, else lent a slot wherever one is idle (Lender.LEADER)."""
+        if request.step:
+            outputs = self._express.call(self, request.inputs, request.step)
+            if outputs is not None:
+                return outputs
         return self._lent_call(functools.partial(self._submit, request), Lender.LEADER)
 
     def _lent_call(self, submit: Callable[[], Future[Result]], who: Lender = Lender.THREAD) -> Any:
