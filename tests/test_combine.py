@@ -261,3 +261,44 @@ def test_a_caller_interrupted_while_its_group_waits(models, tmp_path):
         assert (cb.groups, cb.combined) == (1, 4)
     for i in range(1, 5):
         assert out[i]["probs"].tobytes() == ort_run(models.mlp, {"x": rows[i]})["probs"].tobytes()
+
+
+def test_a_slow_models_callers_go_alone_once_a_group_has_been_timed(models, tmp_path):
+    """A model whose call takes milliseconds gains nothing from combining (the run, not the
+    engine's cost a task, sets the pace), and loses the pipelining of a task sent ahead to its
+    slot: once a group's time a caller is past SLOW_S, callers that queue go alone, each its
+    own task, with the same outputs."""
+    from slabpool.engine.caller import combine
+
+    rng = np.random.default_rng(4)
+    rows = [rng.standard_normal((1, 512)).astype(np.float32) for _ in range(8)]
+    holds = []
+    for tag in range(4):
+        h = rng.standard_normal((1, 512)).astype(np.float32)
+        h[0, 0], h[0, 1] = H.HANG, tag
+        holds.append(h)
+    with Engine(models.slow, workers=2, initializer=HOOK, initargs=(str(tmp_path / "a"),)) as eng:
+        (tmp_path / "a").mkdir()
+        eng.infer(rows[0])
+        cb = _combiner(eng)
+        first = _held(eng, tmp_path / "a", holds[:2], rows[:4])
+        assert (cb.groups, cb.combined) == (1, 4) and cb.per_call > combine.SLOW_S
+        (tmp_path / "a" / "open").unlink()
+        out: dict[int, Any] = {}
+        threads = [threading.Thread(target=lambda j=j: out.__setitem__(-1 - j, eng.infer(holds[2 + j]))) for j in range(2)]
+        threads += [threading.Thread(target=lambda i=i: out.__setitem__(i, eng.infer(rows[4 + i]))) for i in range(4)]
+        accepted = eng.stats().accepted
+        for t in threads[:2]:
+            t.start()
+        _until(lambda: sum(s.state == "BUSY" for s in eng.stats().slots) == 2 and eng.stats().queued == 0, "held")
+        for t in threads[2:]:
+            t.start()
+        _until(lambda: eng.stats().accepted == accepted + 6, "four calls accepted, each its own task")
+        assert not cb.line
+        (tmp_path / "a" / "open").touch()
+        for t in threads:
+            t.join(120)
+        assert (cb.groups, cb.combined) == (1, 4)
+    for i in range(4):
+        assert first[i]["y"].tobytes() == ort_run(models.slow, {"x": rows[i]})["y"].tobytes()
+        assert out[i]["y"].tobytes() == ort_run(models.slow, {"x": rows[4 + i]})["y"].tobytes()

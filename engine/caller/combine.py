@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,11 +51,15 @@ from slabpool.workers import contract
 if TYPE_CHECKING:
     from slabpool.engine.caller.base import BaseEngine
     from slabpool.engine.core.config import EngineConfig
+    from slabpool.engine.core.dispatcher import Dispatcher
 
 Run = Callable[[Request], Outputs]  # a request as one task, on the caller's thread: its outputs
 
 MAX_GROUP = 64  # callers in one group
 MAX_GROUP_BYTES = 1 << 20  # a group's inputs, together
+SLOW_S = 0.0003  # a group's time a caller past which callers go alone (until the workers' run time
+# a task, all single calls then, is back under half of it: a model swapped for a faster one)
+CROWD_S = 0.02  # the crowd (the most callers inside at once) is forgotten after this
 GUARD_S = 1.0  # a waiting caller looks at its group at least this often (a guard: every end kicks)
 _SIGNATURES = 256  # signatures whose combinability is kept
 
@@ -86,12 +91,17 @@ class Combiner:
     one of its callers, the leader, which runs its task the way a call alone runs (`run`: on a
     local engine, the slot lent to the leader's thread, steps 3-9 there) and wakes the others."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher  # (its task_s: the workers' run time a task, lately)
         self.on = cfg.preprocess is None and cfg.postprocess is None and cfg.max_batch_size <= 1
         self.slots = cfg.workers
         self.lock = threading.Lock()
         self.active = 0  # tokens taken: calls of ours alone in the engine, and groups' tasks
+        self.flying = 0  # callers whose call or group holds a token
         self.inside = 0  # callers in `call` now
+        self.crowd = 0  # the most callers inside at once lately (CROWD_S): who will come back
+        self._crowd_at = 0.0
+        self.per_call = 0.0  # a group's time a caller (EWMA): combining pays only for short calls
         self.line: deque[Group] = deque()  # groups waiting to go, oldest first
         self.forming: dict[Any, Group] = {}  # signature -> the group that takes callers now
         self._rows: dict[Any, int | None] = {}  # signature -> a caller's rows, None: goes alone
@@ -112,11 +122,23 @@ class Combiner:
         if not self.on:
             return alone(inputs)
         token = False  # this call holds a token: it goes alone
+        now = time.monotonic()
         with self.lock:
             self.inside += 1
+            if self.inside >= self.crowd or now - self._crowd_at > CROWD_S:
+                self.crowd, self._crowd_at = self.inside, now
             if not self.line and self.active < self.slots and self.inside <= self.slots:
                 self.active += 1
+                self.flying += 1
                 token = True
+            elif self.per_call > SLOW_S:  # (a slow model: each call its own task, pipelined to its slot)
+                task_s = self.dispatcher.task_s
+                if task_s is not None and task_s < SLOW_S / 2:
+                    self.per_call = 0.0  # (fast again: combine)
+                else:
+                    self.active += 1
+                    self.flying += 1
+                    token = True
         try:
             if token:
                 return alone(inputs)
@@ -124,6 +146,7 @@ class Combiner:
             if got is None:
                 with self.lock:
                     self.active += 1
+                    self.flying += 1
                     token = True
                 return alone(inputs)
             group, index, lock, lead = self._join(*got)
@@ -143,6 +166,7 @@ class Combiner:
                 self.inside -= 1
                 if token:
                     self.active -= 1
+                    self.flying -= 1
                 due = self._due()
             if due is not None:
                 self._hand(due)  # (its first caller leads it)
@@ -192,6 +216,7 @@ class Combiner:
             if lock is None:
                 group.ended = True
                 self.active -= 1
+                self.flying -= len(group.inputs)
                 due = self._due()
         if lock is not None:
             lock.release()
@@ -236,16 +261,24 @@ class Combiner:
 
     def _due(self) -> Group | None:
         """Under the lock: the oldest group waiting, taken off the line with a token, if it
-        should go now: a token is free, and it holds its share of the callers inside, or nothing
-        of ours is in flight (whose end would hand it on later)."""
-        if not self.line or (self.active and (self.active >= self.slots
-                                              or len(self.line[0].inputs) * self.slots < self.inside)):
+        should go now: a token is free, and nothing of ours is in flight (whose end would hand
+        it on later), or it holds its share of the crowd (a slot's), or every caller of the
+        crowd not in flight (no one else is coming: a slow model's groups, of unequal sizes,
+        must not wait for each other), or it is full (another group of its signature forms)."""
+        if not self.line:
             return None
+        if self.active:
+            group = self.line[0]
+            n = len(group.inputs)
+            if self.active >= self.slots or (n * self.slots < self.crowd and n < self.crowd - self.flying
+                                             and self.forming.get(group.sig) is group):
+                return None  # (a group no longer forming, full, waits for no one)
         group = self.line.popleft()
         if self.forming.get(group.sig) is group:
             del self.forming[group.sig]
         group.due = True
         self.active += 1
+        self.flying += len(group.inputs)
         return group
 
     def _lead(self, eng: BaseEngine, group: Group, index: int, alone: Callable[[Any], Outputs], run: Run) -> None:
@@ -260,7 +293,10 @@ class Combiner:
                 names = list(group.inputs[0])
                 feeds = {n: np.concatenate([f[n] for f in group.inputs]) for n in names}
                 eng._tally(accepted=k)  # (its callers' items: the task counts none)
+                t0 = time.perf_counter()
                 outputs = run(Request(feeds, units=0, step=group.rows))
+                per_call = (time.perf_counter() - t0) / k
+                self.per_call = per_call if not self.per_call else 0.8 * self.per_call + 0.2 * per_call
                 rows = group.rows
                 if isinstance(outputs, dict) and all(
                         isinstance(v, np.ndarray) and v.ndim and v.shape[0] == k * rows for v in outputs.values()):
@@ -273,6 +309,7 @@ class Combiner:
             group.ended = True
             with self.lock:
                 self.active -= 1
+                self.flying -= k
                 if k > 1 and group.outputs is not None:
                     self.groups += 1
                     self.combined += sum(w is not None for w in group.waiters)  # (not those that left)

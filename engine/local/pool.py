@@ -118,7 +118,7 @@ class Engine(BaseEngine):
         )
         self._queue.set_wake(self._sup.fast.on_wake)  # a caller may dispatch itself (core.fastpath)
         self._express = Express(self)
-        self._combiner = Combiner(self.config)
+        self._combiner = Combiner(self.config, self._sup.dispatcher)
         self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(
