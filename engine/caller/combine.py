@@ -57,7 +57,7 @@ Run = Callable[[Request], Outputs]  # a request as one task, on the caller's thr
 
 MAX_GROUP = 64  # callers in one group
 MAX_GROUP_BYTES = 1 << 20  # a group's inputs, together
-SLOW_S = 0.0003  # a group's time a caller past which callers go alone (until the workers' run time
+SLOW_S = 0.0005  # a group's time a caller past which callers go alone (until the workers' run time
 # a task, all single calls then, is back under half of it: a model swapped for a faster one)
 CROWD_S = 0.02  # the crowd (the most callers inside at once) is forgotten after this
 GUARD_S = 1.0  # a waiting caller looks at its group at least this often (a guard: every end kicks)
