@@ -21,12 +21,18 @@ KILL, EXIT0, SEGV, ALWAYS, HANG = -1001.0, -1002.0, -1003.0, -1004.0, -1005.0
 
 
 def die_on_marker(directory: str) -> None:
-    """Initializer (runs in each worker before its session is built)."""
+    """Initializer (runs in each worker before its session is built): ONNX Runtime's and
+    LiteRT's sessions."""
     from slabpool.workers import ort
 
     for name in ("run", "run_into"):
         original = getattr(ort.OrtSession, name)
         setattr(ort.OrtSession, name, _marked(original, directory))
+    try:
+        from slabpool.workers import litert
+    except ImportError:  # (the LiteRT extra not installed: no LiteRT model to mark)
+        return
+    litert.LiteRtSession.run = _marked(litert.LiteRtSession.run, directory)  # type: ignore[method-assign]
 
 
 def _marked(original: Any, directory: str) -> Any:

@@ -23,7 +23,7 @@ import pytest
 from slabpool import Engine
 from slabpool.workers.errors import EngineClosed, PoisonTask, SessionRunError
 from tests import express_hooks as H
-from tests.reference import ort_run
+from tests.reference import litert_run, ort_run
 from tests.test_fastpath import _until
 
 HOOK = "tests.express_hooks:die_on_marker"
@@ -89,6 +89,20 @@ def test_queued_callers_share_one_task_and_each_gets_its_own_rows(models, tmp_pa
     assert (st.accepted - before.accepted, st.completed - before.completed) == (3, 3)
     assert (st.items_accepted - before.items_accepted, st.items_completed - before.items_completed) == (8, 8)
     assert st.shm_inputs_used == 0
+
+
+def test_litert_callers_combined(models, tmp_path):
+    """The same on a LiteRT model (its session resizes for each caller's call): one task, each
+    caller its own row's bytes, as the interpreter in-process gives them."""
+    rows = [ROWS[i : i + 1] for i in range(2, 7)]
+    want = [litert_run(models.tfl_mlp, {"x": r}) for r in rows]
+    with Engine(models.tfl_mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        eng.infer(ROWS[:1])
+        out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows)
+        cb = _combiner(eng)
+    assert (cb.groups, cb.combined) == (1, 5)
+    for i, w in enumerate(want):
+        assert set(out[i]) == set(w) and all(out[i][k].tobytes() == w[k].tobytes() for k in w)
 
 
 def test_each_caller_of_a_group_is_its_own_session_call(models, tmp_path):
