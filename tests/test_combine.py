@@ -66,9 +66,10 @@ def _held(eng: Engine, gate: Path, holds: list[Any], group: list[Any], holder: A
     return out
 
 
-def _hold(tag: int) -> np.ndarray:
-    x = ROWS[:1].copy()
-    x[0, 0], x[0, 1] = H.HANG, tag
+def _hold(tag: int, shape: tuple[int, ...] = (1, 16)) -> np.ndarray:
+    """Rows that hold their worker until the gate opens (H.HANG; `tag` tells the holds apart)."""
+    x = np.ones(shape, np.float32)
+    x.flat[0], x.flat[1] = H.HANG, tag
     return x
 
 
@@ -112,11 +113,7 @@ def test_each_caller_of_a_group_is_its_own_session_call(models, tmp_path):
     rng = np.random.default_rng(9)
     rows = [rng.standard_normal((3, 16)).astype(np.float32) for _ in range(5)]
     want = [ort_run(models.centered, {"x": r})["y"] for r in rows]
-    holds = []
-    for tag in range(2):
-        h = rng.standard_normal((3, 16)).astype(np.float32)
-        h[0, 0], h[0, 1] = H.HANG, tag
-        holds.append(h)
+    holds = [_hold(tag, (3, 16)) for tag in range(2)]
     with Engine(models.centered, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
         eng.infer(rows[0])
         out = _held(eng, tmp_path, holds, rows)
@@ -177,11 +174,7 @@ def test_outputs_without_the_callers_rows_send_each_caller_alone(models, tmp_pat
     worker's check, and each caller gets its own call's outputs alone."""
     rng = np.random.default_rng(2)
     rows = [(rng.random((1, 8)) > 0.5).astype(np.float32) for _ in range(4)]
-    holds = []
-    for tag in range(2):
-        h = np.ones((1, 8), np.float32)
-        h[0, 0], h[0, 1] = H.HANG, tag
-        holds.append(h)
+    holds = [_hold(tag, (1, 8)) for tag in range(2)]
     with Engine(models.nonzero, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
         eng.infer(rows[0])
         out = _held(eng, tmp_path, holds, rows)
@@ -286,11 +279,7 @@ def test_a_slow_models_callers_go_alone_once_a_group_has_been_timed(models, tmp_
 
     rng = np.random.default_rng(4)
     rows = [rng.standard_normal((1, 512)).astype(np.float32) for _ in range(8)]
-    holds = []
-    for tag in range(4):
-        h = rng.standard_normal((1, 512)).astype(np.float32)
-        h[0, 0], h[0, 1] = H.HANG, tag
-        holds.append(h)
+    holds = [_hold(tag, (1, 512)) for tag in range(4)]
     with Engine(models.slow, workers=2, initializer=HOOK, initargs=(str(tmp_path / "a"),)) as eng:
         (tmp_path / "a").mkdir()
         eng.infer(rows[0])
