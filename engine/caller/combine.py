@@ -7,21 +7,25 @@ wait on it: docs/latency.md). So when calls queue, the callers that arrive meanw
 together, and their rows go as ONE task, a block of rows run one session call per caller:
 
     infer(x), plain inputs, no dynamic batching
-      the engine has room (nothing queued, no group waiting)   -> alone: the express lane, or
-                                                                  the fast path, as before
-      else: joins the group forming for x's signature (or opens one), and waits on its own lock
-    a call of ours ends (alone or a group) and nothing is queued  -> the oldest group waiting
-      goes as one task: its callers' inputs concatenated on axis 0, `step` = a caller's rows
-      (Request(units=0, step=r): the worker runs one session call per caller, one after
-      another, and checks that each call's outputs have its rows on axis 0)
-    the task's Future completes (on whichever thread ends it)  -> each waiting caller is
-      released, copies its own rows out of the outputs, and returns
+      room: a token free (one task of ours a slot), no group waiting, no more callers inside
+      than slots                                   -> alone: the express lane or the fast path
+      else: joins the group forming for x's signature (or opens one), waits on its own lock
+    a group is due (takes a token) when it holds its share of the crowd, every caller of the
+    crowd not in flight, or as many as fit; or when nothing of ours is in flight (`_due`).
+    Whoever finds it due (a caller joining it, a caller whose call or group has ended) wakes
+    its first caller: the leader
+    the leader: its callers' inputs concatenated on axis 0 -> Request(units=0, step=r): one
+      task, one session call per caller, one after another (the worker checks that each
+      call's outputs have its rows on axis 0) -> run the way a call alone runs (a local
+      engine: the express lane on an idle slot, else a slot lent to the leader's thread) ->
+      the outputs; it wakes the others, each copies its own rows out, and the next group due
+      is handed on
 
 A caller's outputs are byte for byte what its call alone would have given: the same session
 call on the same rows (never stacked with another caller's). Everything that can go wrong with
-the group's task sends each of its callers back the way it would have gone alone (`_alone`):
-the group could not be submitted (closed, queue full, shared memory), or its task failed (a
-row's own error, a worker killed by one of them, quarantine, a timeout, outputs without rows).
+the group's task sends each of its callers alone (`_fallback`): the group could not be
+submitted (closed, queue full, shared memory), or its task failed (a row's own error, a
+worker killed by one of them again and again, a timeout, outputs without rows).
 Each caller then runs its own call, gets its own outputs or its own error, and nothing is
 lost or answered twice. The engine's guarantees hold for the group's task as for any other
 (replay after a death, in acceptance order; the ledger; counters: the task counts no items,
@@ -31,7 +35,9 @@ Only plain calls combine: `infer(x)` with no keyword (no context, deadline or bl
 inputs of a signature the door has checked whose every array has the same rows on axis 0, a
 model whose every input has a dynamic axis 0, no preprocess or postprocess (they see a task's
 rows at once), `max_batch_size` 1 (dynamic batching stacks calls under load itself), and at
-most MAX_GROUP_BYTES of inputs a group. Anything else goes alone.
+most MAX_GROUP_BYTES of inputs a group. Anything else goes alone; so do the calls of a model
+whose group takes more than SLOW_S a caller (the run, not the engine's cost a task, sets the
+pace there, and a task a call keeps its slot fed: one sent ahead while the last runs).
 """
 
 from __future__ import annotations
@@ -85,11 +91,13 @@ class Combiner:
     """The combining of one engine's plain `infer()` calls.
 
     Tokens: at most one task of ours a slot (`active` < `slots`). A call that finds a token
-    free and no group waiting takes it and goes alone. Else it joins the group forming for its
-    signature. A group is due (takes a token) once it holds its share of the callers inside
-    (`inside` / `slots`), or once nothing of ours is in flight; whoever finds it due hands it to
-    one of its callers, the leader, which runs its task the way a call alone runs (`run`: on a
-    local engine, the slot lent to the leader's thread, steps 3-9 there) and wakes the others."""
+    free, no group waiting and no more callers inside than slots takes one and goes alone.
+    Else it joins the group forming for its signature. A group is due (takes a token) once it
+    holds its share of the crowd (`crowd` / `slots`), every caller of the crowd not in flight
+    (`crowd` - `flying`), or as many as fit, or once nothing of ours is in flight; whoever
+    finds it due hands it to one of its callers, the leader, which runs its task the way a
+    call alone runs (`run`: on a local engine, the express lane or a slot lent to the leader's
+    thread, steps 3-9 there) and wakes the others."""
 
     def __init__(self, cfg: EngineConfig, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher  # (its task_s: the workers' run time a task, lately)
