@@ -76,3 +76,10 @@ def record_spins(path: str) -> None:
         return original(self, spin)
 
     wire.FrameReader.recv = recv  # type: ignore[method-assign]
+
+
+def marked_and_spins(directory: str) -> None:
+    """Initializer: `die_on_marker(directory)`, and each worker records its spins
+    (`record_spins`) in `directory`/spins-<its pid>."""
+    die_on_marker(directory)
+    record_spins(os.path.join(directory, f"spins-{os.getpid()}"))

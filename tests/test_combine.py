@@ -305,3 +305,24 @@ def test_a_slow_models_callers_go_alone_once_a_group_has_been_timed(models, tmp_
     for i in range(4):
         assert first[i]["y"].tobytes() == ort_run(models.slow, {"x": rows[i]})["y"].tobytes()
         assert out[i]["y"].tobytes() == ort_run(models.slow, {"x": rows[4 + i]})["y"].tobytes()
+
+
+def test_a_groups_task_tells_its_worker_not_to_poll_for_the_next(models, tmp_path):
+    """An idle call's worker polls for the next call after answering (spin_us: a caller that
+    calls again soon is served without a wake-up); a group's task is no idle call (its callers
+    are many, the host busy), so its RunBatch says 0 and its leader does not poll either."""
+    rows = [ROWS[i : i + 1] for i in range(2, 6)]
+    with Engine(models.mlp, workers=2, initializer="tests.express_hooks:marked_and_spins",
+                initargs=(str(tmp_path),), spin_us=250) as eng:
+        eng.infer(ROWS[:1])
+        done: dict[int, int] = {}
+
+        def count() -> None:
+            done.update({s.pid: s.tasks_done for s in eng.stats().slots})
+
+        _held(eng, tmp_path, [_hold(0), _hold(1)], rows, holder=count)
+        after = {s.pid: s.tasks_done for s in eng.stats().slots}
+        (pid,) = [p for p in after if after[p] - done[p] == 2]  # (its hold, then the group)
+        assert _combiner(eng).groups == 1
+    # (closed: the worker's last wait, the one after the group's answer, took the stop message)
+    assert float((tmp_path / f"spins-{pid}").read_text().split()[-1]) == 0.0

@@ -292,8 +292,9 @@ class FastPath:
             poller = select.poll()
             poller.register(lend.fd, select.POLLIN)
             poller.register(wake_fd, select.POLLIN)
-            if self.spin_s:  # (the answer mostly lands within it: no wake-up; see workers.wire.Spin)
-                self.spin.wait(lend.fd, self.spin_s)
+            if self.spin_s and not lend.task.step:  # (the answer mostly lands within it: no wake-up;
+                self.spin.wait(lend.fd, self.spin_s)  # see workers.wire.Spin. A block, a group of
+                # callers' rows (engine.caller.combine), is no idle call: its callers are many)
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got

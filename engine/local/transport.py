@@ -116,7 +116,7 @@ class LocalTransport:
                                 t.deadline, t.step) for t in batch.tasks])
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
-                                   self.spin_s if w.lent else 0.0))
+                                   self.spin_s if w.lent and not specs[0].step else 0.0))  # (a block: no idle call)
         except Exception as exc:
             self.regions.release(sent)
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
