@@ -23,7 +23,7 @@
      call polls pipe k for up to spin_us before it sleeps, and its worker, after answering a
      lent batch (RunBatch.spin), polls for the next one: two wake-ups saved a call; neither
      polls while its polls run out, nor on a host with more tasks runnable than CPUs
-     (workers.wire.Spin).
+     (workers.wire.Spin), nor for a block (a task of `step` rows: a group of callers below).
 
      express lane (engine.local.express): an idle call of plain inputs (infer, infer_async,
      submit_async) is accepted running (never queued) and sent by the dispatcher's own
@@ -34,11 +34,13 @@
 
      callers combined (engine.caller.combine): under load, infer() calls of plain inputs that
      would queue wait together, a group a signature, and go as ONE task (their inputs
-     concatenated, `step` = a caller's rows: a session call each), run by one of them, the
-     leader, the way a call alone runs (lent a slot: Lender.LEADER); each caller copies its
+     concatenated, `step` = a caller's rows: a session call each, whose outputs the worker
+     checks hold its rows), run by one of them, the leader, the way a call alone runs (the
+     express lane on an idle slot, else lent a slot: Lender.LEADER); each caller copies its
      own rows out. At most one task of ours a slot. A group's task that fails (a row's
      error, a worker killed, outputs without the callers' rows, a close) sends each of its
-     callers alone, to its own outputs or error.
+     callers alone, to its own outputs or error. A model slower than SLOW_S a call is not
+     combined (its calls stay pipelined to their slots).
 
      copies per task: the inputs once (caller -> input arena, step 2), the outputs once
      (output arena -> caller, step 8). The worker reads its inputs in place; ONNX Runtime

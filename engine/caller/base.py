@@ -23,7 +23,7 @@ from typing import Any, Literal, Self, cast, overload
 from slabpool.engine.caller import aio, blocks, faults, mapping
 from slabpool.engine.caller.calls import InitSignature, check_constructor, not_a_function, public
 from slabpool.engine.caller.handles import Owner, TaskFuture, applier
-from slabpool.engine.caller.request import Admitted, Outputs, Request
+from slabpool.engine.caller.request import Admitted, Outputs, Request, as_block
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
 from slabpool.engine.core.metrics import Histogram, Metrics, render
@@ -145,7 +145,7 @@ class BaseEngine:
         admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
         if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
             item, shape_key, items = admitted
-            admitted = item, ("block", items, shape_key), 0
+            admitted = (item, *as_block(shape_key, items))
         return self._enqueue(request, admitted)
 
     def _check_accepting(self) -> None:

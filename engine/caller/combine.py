@@ -73,14 +73,13 @@ _SIGNATURES = 256  # signatures whose combinability is kept
 class Group:
     """Callers waiting together: their inputs (one signature) and locks; then its outputs."""
 
-    __slots__ = ("chosen", "due", "ended", "inputs", "nbytes", "outputs", "rows", "running", "sig", "waiters")
+    __slots__ = ("chosen", "ended", "inputs", "nbytes", "outputs", "rows", "running", "sig", "waiters")
 
     def __init__(self, sig: Any, rows: int) -> None:
         self.sig, self.rows = sig, rows
         self.inputs: list[dict[str, Any]] = []
         self.waiters: list[Any] = []  # each caller's lock, held until it is woken (None: it left)
         self.nbytes = 0
-        self.due = False  # off the line with a token: a caller of it leads it
         self.chosen: int | None = None  # the caller chosen to lead it
         self.running = False  # its leader has begun
         self.outputs: Outputs | None = None  # the task's, once it has ended well
@@ -278,13 +277,12 @@ class Combiner:
         if self.active:
             group = self.line[0]
             n = len(group.inputs)
-            if self.active >= self.slots or (n * self.slots < self.crowd and n < self.crowd - self.flying
-                                             and self.forming.get(group.sig) is group):
-                return None  # (a group no longer forming, full, waits for no one)
+            short = n * self.slots < self.crowd and n < self.crowd - self.flying
+            if self.active >= self.slots or (short and self.forming.get(group.sig) is group):
+                return None  # (short and still forming: more callers are coming)
         group = self.line.popleft()
         if self.forming.get(group.sig) is group:
             del self.forming[group.sig]
-        group.due = True
         self.active += 1
         self.flying += len(group.inputs)
         return group
@@ -305,11 +303,8 @@ class Combiner:
                 outputs = run(Request(feeds, units=0, step=group.rows))
                 per_call = (time.perf_counter() - t0) / k
                 self.per_call = per_call if not self.per_call else 0.8 * self.per_call + 0.2 * per_call
-                rows = group.rows
-                if isinstance(outputs, dict) and all(
-                        isinstance(v, np.ndarray) and v.ndim and v.shape[0] == k * rows for v in outputs.values()):
-                    group.outputs = outputs
-                    eng._tally(completed=k)
+                group.outputs = outputs  # (each call's rows on axis 0: the worker checks, run_in_steps)
+                eng._tally(completed=k)
         except Exception:  # the callers learn what failed from their own calls
             if k == 1:
                 raise

@@ -53,6 +53,13 @@ class Request(NamedTuple):
     fault: FaultSpec | None = None
 
 
+def as_block(shape_key: tuple[Any, ...], items: int) -> tuple[tuple[Any, ...], int]:
+    """The batch key and items of a task that counts no items (a block of rows, an item run
+    alone, a group of callers: Request(units=0)): a key no plain task shares, so dynamic
+    batching never stacks it with others, and no items for it to count."""
+    return ("block", items, shape_key), 0
+
+
 # Step 1's answer, (item, shape key, items): the inputs as they go (normalized feeds), the key
 # that tasks batched together share, and the rows dynamic batching counts (0: never stacked).
 # A plain tuple, as before the Request existed: submit() allocates nothing more for it.

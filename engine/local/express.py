@@ -39,6 +39,7 @@ import numpy as np
 
 from slabpool.engine.caller import aio
 from slabpool.engine.caller.handles import TaskFuture
+from slabpool.engine.caller.request import as_block
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.fastpath import Lend
 from slabpool.engine.core.slots import SlotRecord
@@ -122,7 +123,7 @@ class Express:
         if known is None:
             return None
         if step:  # (a block, as BaseEngine._submit admits one: never stacked, no items)
-            known = (("block", known[1], known[0]), 0)
+            known = as_block(*known)
         lay = self._layouts[sig] if sig in self._layouts else self._learn(sig, inputs)
         if lay is None:
             return None
