@@ -176,3 +176,18 @@ def test_a_worker_whose_supervisor_closed_its_pipe_is_told_so_and_logs_nothing(c
         assert capsys.readouterr().err == ""
     finally:
         ours.close()
+
+
+def test_an_end_closed_with_our_frames_unread_is_the_end_of_the_pipe(pipe) -> None:  # type: ignore[no-untyped-def]
+    """A socket closed with bytes unread in it makes the other end's read() fail with
+    ECONNRESET (a worker's answer still in the pipe when the supervisor stopped): EOFError,
+    after the frames the closer had sent."""
+    reader, writer, reader_end = pipe
+    reader_end.send_bytes(b"an answer the writer never reads")
+    writer.send_bytes(b"last words")
+    writer.close()
+    assert reader.read() == [b"last words"]
+    with pytest.raises(EOFError):
+        reader.read()
+    with pytest.raises(EOFError):
+        reader.recv()

@@ -40,11 +40,15 @@ class FrameReader:
 
     def read(self) -> list[bytes]:
         """One read() (the caller knows the fd is readable: it never blocks then), and every
-        frame it completed. EOFError when the other end is closed and nothing is left."""
+        frame it completed. EOFError when the other end is closed and nothing is left, or when it
+        closed with frames of ours unread (a socket's ECONNRESET: the supervisor stopped
+        reading; under a Ctrl-C storm that reset had been a worker's traceback)."""
         try:
             chunk = os.read(self.fd, CHUNK)
         except BlockingIOError:  # (a non-blocking end woken for writing, or spuriously)
             return []
+        except ConnectionResetError:  # the other end closed with our frames unread in it
+            raise EOFError("the other end of the pipe is closed (it left frames unread)") from None
         if not chunk:
             raise EOFError("the other end of the pipe is closed")
         if not self._buf and len(chunk) >= 4 and _HEAD.unpack_from(chunk)[0] == len(chunk) - 4:
