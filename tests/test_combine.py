@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,10 @@ def _held(eng: Engine, gate: Path, holds: list[Any], group: list[Any], holder: A
         t.join(120)
         assert not t.is_alive()
     return out
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert set(got) == set(want) and all(got[k].tobytes() == want[k].tobytes() for k in want)
 
 
 def _hold(tag: int, shape: tuple[int, ...] = (1, 16)) -> np.ndarray:
@@ -326,3 +331,44 @@ def test_a_groups_task_tells_its_worker_not_to_poll_for_the_next(models, tmp_pat
         assert _combiner(eng).groups == 1
     # (closed: the worker's last wait, the one after the group's answer, took the stop message)
     assert float((tmp_path / f"spins-{pid}").read_text().split()[-1]) == 0.0
+
+
+def test_a_groups_slot_is_parked_and_back_in_the_owners_selector_by_its_next_wait(models, tmp_path):
+    """A group's task's slot, answered, goes back parked: out of the owner's selector (under
+    load the next group's leader is lent it within microseconds, and a give-back and a lend
+    of a pipe in the selector cost two epoll_ctl). The owner is woken and puts it back at its
+    next wait (engine.core.fastpath, PARK_S); a call alone's slot goes straight back."""
+    rows = [ROWS[i : i + 1] for i in range(2, 6)]
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        fast, transport = eng._sup.fast, eng._transport  # type: ignore[attr-defined]
+        selector = transport.selector
+        eng.infer(ROWS[:1])
+        assert fast.parks == 0
+        out = _held(eng, tmp_path, [_hold(0), _hold(1)], rows)
+        for i in range(4):
+            _same(out[i], ort_run(models.mlp, {"x": rows[i]}))
+        assert _combiner(eng).groups == 1 and fast.parks == 1
+        _until(lambda: not selector._parked, "the owner's next wait puts the parked pipe back")
+        with fast.lock.owning():
+            assert {w.fd for w in transport.workers} <= set(selector._watched)
+        for i in range(3):
+            _same(eng.submit(ROWS[i : i + 1]).result(timeout=60).outputs, ort_run(models.mlp, {"x": ROWS[i : i + 1]}))
+
+
+def test_a_send_that_is_not_a_lend_puts_a_parked_pipe_back_at_once(models):
+    """A parked pipe whose slot is sent work that no caller waits on (a caller acting as the
+    owner dispatches what queued, while the owner thread sleeps) is back in the owner's
+    selector before the RunBatch leaves: the owner thread reads its answer."""
+    with Engine(models.mlp, workers=1) as eng:
+        eng.infer(ROWS[:1])
+        fast, transport = eng._sup.fast, eng._transport  # type: ignore[attr-defined]
+        selector, w = transport.selector, transport.workers[0]
+        with fast.lock.owning():  # (as a lender acts: the owner thread waits for the lock meanwhile)
+            assert transport.lend(0) == w.fd and w.fd not in selector._watched
+            transport.give_back(0, park=True)
+            assert w.fd not in selector._watched and w.fd in selector._parked
+            fut = eng.submit(ROWS[:1])
+            eng._sup.dispatcher.dispatch(time.monotonic())  # type: ignore[attr-defined]
+            assert eng._sup.slots[0].batches, "the task went to the slot"  # type: ignore[attr-defined]
+            assert w.fd in selector._watched and not selector._parked
+        _same(fut.result(timeout=60).outputs, ort_run(models.mlp, {"x": ROWS[:1]}))

@@ -159,7 +159,7 @@ class Coordinator:
         wait: a caller may act meanwhile, engine.core.fastpath)."""
         with self.thread.lock.owning():
             now = time.monotonic()
-            timeout = self.next_timer(now, self.fast.reclaim_at())
+            timeout = self.fast.owner_timeout(self.next_timer(now, self.fast.reclaim_at()))
             self.fast.sleep_until = float("inf") if timeout is None else now + timeout
             events = self.transport.wait(timeout)
             self.fast.sleep_until = 0.0  # awake: a caller's dispatch need not wake it

@@ -12,10 +12,11 @@ for a few microseconds, twice a call, and runs the owner's own code:
             its one-task batch went to an idle slot
             whose pipe took it whole: slot k is lent
             (its pipe leaves the owner's selector)
-     poll(a dup of pipe k, and the lender's eventfd)  <--BatchDone--
+     poll(pipe k, and the lender's eventfd)           <--BatchDone--
        8-9  under the lock: the transport's own read, the coordinator's own handling of what
             it read (Done: step 8's copy out, step 9's finish, once), the slot given back
-            (its pipe back in the owner's selector); the owner is woken only if something
+            (its pipe back in the owner's selector; a group's task's parked there until
+            the owner's next wait: see `_park`); the owner is woken only if something
             waits for it (queued work, a close, a reload); the ledger's flush: the Futures
      Future.result() returns at once
 
@@ -64,17 +65,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("slabpool.engine")
 POLL_S = 1.0  # a lender looks at its lend at least this often (a guard: every end wakes it)
 RECLAIM_S = 1.0  # an event loop's lend not looked at for this long goes back to the owner
+PARK_S = 0.05  # a parked pipe (a group's task's slot, given back) is back in the owner's selector within this
 
 
 class LendingTransport(Protocol):
     """What a transport that can lend a slot (`can_lend`: the local one) adds to SlotTransport."""
 
-    def lend(self, slot: int) -> int | None:
-        """The slot's pipe leaves the owner's selector: a dup of it to poll (the lender
-        closes it), or None (it cannot be lent now: no pipe, or an outbox waiting)."""
+    def lend(self, slot: int, dup: bool = False) -> int | None:
+        """The slot's pipe leaves the owner's selector: its fd to poll (`dup`: a dup of it,
+        which the lender closes), or None (it cannot be lent now: no pipe, or an outbox waiting)."""
 
-    def give_back(self, slot: int) -> None:
-        """The slot's pipe goes back into the owner's selector."""
+    def give_back(self, slot: int, park: bool = False) -> None:
+        """The slot's pipe goes back into the owner's selector (`park`: at the owner's next
+        wait, or at a send that is not a lend, whichever comes first)."""
 
     def read_lent(self, slot: int) -> list[Event]:
         """The owner's read of a lent slot's pipe (one read), as events."""
@@ -104,7 +107,10 @@ class Lend:
     slot: int
     batch: Batch
     task: Task
-    fd: int  # a dup of the slot's pipe: polled without the lock, closed by the lender
+    fd: int  # the slot's pipe, polled without the lock (see `dup`)
+    dup: bool = False  # `fd` is a dup of it, which the lender closes (an event loop's: its
+    # reader must not outlive the fd; a thread's poll of a pipe closed meanwhile, its lend
+    # ended first under the lock, wakes on POLLNVAL or on its eventfd and finds the lend over)
     over: bool = False
     abandoned: bool = False  # the lender let go without the lock: the owner takes it back
     reclaim_at: float | None = None  # an event loop's: the owner takes it back after this
@@ -135,6 +141,8 @@ class FastPath:
         self.lends = 0  # slots lent so far
         self.loop_calm = False  # the last accept found the engine idle: a loop may be lent next (see _idle)
         self.served = 0  # lent calls whose answer their caller read (the whole call off the owner thread)
+        self.parks = 0  # slots given back parked (a group's task's: see `_park`)
+        self._parks_seen = 0  # ... when the owner last went to sleep (`owner_timeout`)
         self.spin_s = co.cfg.spin_us / 1e6  # a lender polls its pipe this long before it sleeps,
         self.spin = Spin(usable_cpus())  # while that pays (workers.wire.Spin: one for the lenders of this engine)
         self._local = threading.local()
@@ -180,12 +188,13 @@ class FastPath:
                 self.co.wake()
                 return None
             now = time.monotonic()
-            self._local.task, self._local.lend = task, None
+            self._local.task, self._local.lend, self._local.dup = task, None, lending is Lender.LOOP
             try:
                 self.co.dispatcher.dispatch(now, once=True)
             finally:
                 lend: Lend | None = self._local.lend
                 self._local.task = self._local.lend = None
+                self._local.dup = False
             if lend is not None and not lend.over and not self._waiting(lend):
                 self.give_back(lend)  # (its batch was not sent: Unsendable)
             self._tell_owner(now)
@@ -238,9 +247,10 @@ class FastPath:
         if task is None or batch.tasks != [task] or len(slot.batches) != 1 or not self.lock.held_here:
             return
         assert self.transport is not None
-        fd = self.transport.lend(slot.index)
+        dup = getattr(self._local, "dup", False)  # (an event loop's: see Lend.dup)
+        fd = self.transport.lend(slot.index, dup)
         if fd is not None:
-            self._local.lend = self.lent[slot.index] = Lend(slot.index, batch, task, fd, fast=self)
+            self._local.lend = self.lent[slot.index] = Lend(slot.index, batch, task, fd, dup, fast=self)
             self.lends += 1
 
     def _tell_owner(self, now: float) -> None:
@@ -312,20 +322,21 @@ class FastPath:
         finally:
             if not lend.over:  # interrupted while it waited (Ctrl-C): the owner reads the answer
                 self.forsake_lend(lend)
-            else:
+            elif lend.dup:
                 os.close(lend.fd)
         return got
 
     def forsake_lend(self, lend: Lend) -> None:
         """Its lender will not wait on it (interrupted): the slot goes back to the owner
-        thread, which reads the answer; the lender's dup of the pipe is closed."""
+        thread, which reads the answer; the lender's dup of the pipe, if any, is closed."""
         interrupts.enter()
         try:
             with self.lock.owning():
                 self.give_back(lend)
                 self.co.wake()
         finally:
-            os.close(lend.fd)
+            if lend.dup:
+                os.close(lend.fd)
             interrupts.leave()
 
     def try_step(self, lend: Lend, step: Step | None = None) -> Any:
@@ -376,7 +387,7 @@ class FastPath:
             co.ledger.flush()
             return
         self.served += lend.batch not in co.slots[lend.slot].batches  # (answered, not cancelled)
-        self.give_back(lend)
+        self.give_back(lend, self._park(lend))
         if len(co.queue) or not co.queue.hungry:  # (hungry and empty: the next accept dispatches)
             now = time.monotonic()
             co.dispatcher.dispatch(now)  # what queued meanwhile, as the owner would after a Done
@@ -393,15 +404,38 @@ class FastPath:
 
     # -- the owner's side ----------------------------------------------------------------------------
 
-    def give_back(self, lend: Lend) -> None:
-        """Under the lock: the slot's pipe goes back into the owner's selector."""
+    def give_back(self, lend: Lend, park: bool = False) -> None:
+        """Under the lock: the slot's pipe goes back into the owner's selector (`park`: see
+        `_park`)."""
         if lend.over:
             return
         lend.over = True
         if self.lent.get(lend.slot) is lend:
             del self.lent[lend.slot]
             assert self.transport is not None
-            self.transport.give_back(lend.slot)
+            self.transport.give_back(lend.slot, park)
+
+    def _park(self, lend: Lend) -> bool:
+        """Under the lock, a lend answered: whether its pipe goes back parked (out of the
+        owner's selector until the owner's next wait: engine.local.selector). A group's
+        task's does (engine.caller.combine: under load, the slot is lent to the next group's
+        leader within microseconds, and a lend and give-back of a pipe in the selector cost
+        two epoll_ctl, each a turn of the GIL); nothing else does. The owner sleeps at most
+        PARK_S while groups park (`owner_timeout`), and is woken now if it sleeps longer: a
+        parked pipe's unasked-for news (a log record, an EOF) waits no longer than that."""
+        if not lend.task.step:
+            return False
+        self.parks += 1
+        if self.sleep_until > time.monotonic() + PARK_S:
+            self.co.wake()
+        return True
+
+    def owner_timeout(self, timeout: float | None) -> float | None:
+        """The owner thread's wait: at most PARK_S if a pipe was parked since its last."""
+        if self.parks == self._parks_seen:
+            return timeout
+        self._parks_seen = self.parks
+        return PARK_S if timeout is None else min(timeout, PARK_S)
 
     def _ended(self, slot: int) -> None:
         """The transport ended a lend itself (a death, a kill, a Revoke, an outbox): the

@@ -3,7 +3,10 @@ and the wake-up pipe other threads write to. Part of the local transport
 (engine.local.transport), which alone calls it, holding the owner lock (`wake` from any
 thread). The owner thread waits in it without the lock (`wait`, after `prepare`); a caller
 acting as the owner meanwhile may take a slot's pipe out (`lend`: the caller polls it) and put
-it back (`give_back`): epoll's set changes at once, under a wait in progress too.
+it back (`give_back`): epoll's set changes at once, under a wait in progress too. A pipe given
+back parked (a group's task's, under load: its slot is lent again within microseconds) stays
+out until the owner's next wait (`prepare`) or a send that is not a lend (`unpark`): the lends
+of back-to-back tasks cost no epoll_ctl (engine.core.fastpath, PARK_S).
 
 Keys are values (`Key`: what an fd stands for, and the object it belongs to), compared by
 the identity of that object: a pipe or a process that has gone is never mistaken for the
@@ -54,6 +57,7 @@ class SlotSelector:
         self._watched: dict[int, Key] = {}  # fd -> what it stands for, as registered
         self._events: dict[int, int] = {}  # fd -> the EVENT_* bits it is registered for
         self._lendable: dict[int, Key] = {}  # a worker pipe's key, kept while it is lent
+        self._parked: dict[int, Slot] = {}  # pipes given back parked: out of the set until `prepare`
         self._wake_key = Key(Watched.WAKE, None, None)
         self.dirty = True  # set whenever a pipe or a process comes or goes
 
@@ -74,7 +78,12 @@ class SlotSelector:
         return self.wait(timeout)
 
     def prepare(self, workers: list[Slot]) -> None:
-        """Before a wait, holding the owner lock: the watched set in line with the slots."""
+        """Before a wait, holding the owner lock: the watched set in line with the slots
+        (every parked pipe back in it)."""
+        if self._parked:
+            parked, self._parked = self._parked, {}
+            for w in parked.values():
+                self.give_back(w)
         if self.dirty:
             self._sync(workers)
 
@@ -131,24 +140,36 @@ class SlotSelector:
         """A worker's pipe leaves the selector (w.lent is set): a caller polls it."""
         assert w.conn is not None
         fd = w.fd
+        if self._parked.pop(fd, None) is not None:
+            return  # (out of the set already)
         key = self._watched.get(fd)
         if key is not None:
             self._lendable[fd] = key
             self._unregister(fd)
 
-    def give_back(self, w: Slot) -> None:
-        """A lent pipe comes back (w.lent is cleared), with its outbox's events."""
+    def give_back(self, w: Slot, park: bool = False) -> None:
+        """A lent pipe comes back (w.lent is cleared), with its outbox's events; `park`: not
+        before the owner's next wait, or a send that is not a lend (`unpark`)."""
         if w.conn is None or self._wake_closed:
             return
         fd = w.fd
+        if park:
+            self._parked[fd] = w
+            return
         if fd not in self._watched:
             key = _same_or_new(self._lendable, fd, Watched.CONN, w, w.conn)
             self._lendable.pop(fd, None)
             self._register(fd, key, _events(key))
 
+    def unpark(self, w: Slot) -> None:
+        """A parked pipe back in the set now (the owner thread will read what it answers)."""
+        if self._parked and self._parked.pop(w.fd, None) is not None:
+            self.give_back(w)
+
     def forget(self, fd: int) -> None:
         """Unwatch an fd before it is closed (its number may be reused at once)."""
         self._lendable.pop(fd, None)
+        self._parked.pop(fd, None)
         if fd in self._watched:
             self._unregister(fd)
         self.dirty = True

@@ -8,8 +8,9 @@ status words, step 8 (outputs copied out of shared memory into the caller's arra
 log records (logged as they come), SIGTERM -> SIGKILL escalation.
 
 A slot's pipe can be lent to the caller that waits on its one task (engine.core.fastpath):
-it leaves the selector, the caller polls a dup of it and reads it with this transport's own
-read (`read_lent`, under the owner lock), then gives it back. The transport ends a lend itself
+it leaves the selector, the caller polls it (an event loop a dup of it, which the loop closes)
+and reads it with this transport's own read (`read_lent`, under the owner lock), then gives it
+back (parked, a group's task under load: see engine.local.selector). The transport ends a lend itself
 when the owner's path must take over: a death (the sentinel never leaves the selector), a
 kill, a Revoke, an outbox filling (its write events are the selector's).
 
@@ -109,6 +110,8 @@ class LocalTransport:
         """Steps 3-4's I/O: a region sized like the last outputs of these shapes, the RunBatch
         on the pipe (on a broken pipe the sentinel fires next and the batch replays)."""
         w = self.workers[slot]
+        if not w.lent:
+            self.selector.unpark(w)  # (its answer is the owner thread's to read)
         sent = Sent(batch)
         out = self.regions.lease_predicted(sent, ahead=len(w.sent) > 0)
         fi = self.cfg.fault_injection
@@ -211,19 +214,19 @@ class LocalTransport:
     def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
         self._lock, self._lend_ended = lock, ended
 
-    def lend(self, slot: int) -> int | None:
+    def lend(self, slot: int, dup: bool = False) -> int | None:
         w = self.workers[slot]
         if w.conn is None or w.outbox or w.lent:
             return None
         w.lent = True
         self.selector.lend(w)
-        return os.dup(w.fd)
+        return os.dup(w.fd) if dup else w.fd
 
-    def give_back(self, slot: int) -> None:
+    def give_back(self, slot: int, park: bool = False) -> None:
         w = self.workers[slot]
         if w.lent:
             w.lent = False
-            self.selector.give_back(w)
+            self.selector.give_back(w, park)
 
     def read_lent(self, slot: int) -> list[Event]:
         w = self.workers[slot]
