@@ -56,6 +56,7 @@ from slabpool.engine.core.owner import OwnerLock
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
+from slabpool.engine.core.wakefd import thread_wake
 from slabpool.workers.errors import EngineInternalError
 from slabpool.workers.wire import Spin
 
@@ -481,41 +482,3 @@ class FastPath:
         self.enabled = False
         self.lent.clear()
         self.lock = self.co.thread.lock  # (a new one: the parent's may have been held at the fork)
-
-
-class _WakeFd:
-    """A thread's eventfd, on which the owner tells it that its lend is over (closed with the
-    thread's locals)."""
-
-    def __init__(self) -> None:
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-
-    def wake(self) -> None:
-        try:
-            os.eventfd_write(self.fd, 1)
-        except OSError:
-            pass  # (closed: its thread has ended, nobody waits)
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-_THREAD = threading.local()
-
-
-def _forget_thread_wakes() -> None:
-    """In a forked child: the eventfds are the parent's threads' too (a wake meant for a
-    parent's lender must not be read here); the child makes its own when it lends."""
-    global _THREAD
-    _THREAD = threading.local()
-
-
-os.register_at_fork(after_in_child=_forget_thread_wakes)
-
-
-def thread_wake() -> _WakeFd:
-    """This thread's eventfd (made on its first lend, kept for the next ones)."""
-    got: _WakeFd | None = getattr(_THREAD, "wake", None)
-    if got is None:
-        got = _THREAD.wake = _WakeFd()
-    return got
