@@ -128,12 +128,12 @@ class Side:
 
 
 def _message(side: Side, batch_id: int, feeds: dict[str, np.ndarray], out: tuple[int, int] = (4096, OUT // 2),
-             in_at: int = 128) -> RunBatch:
+             in_at: int = 128, step: int = 0) -> RunBatch:
     from slabpool.workers import packing
 
     arrays = list(feeds.values())
     packed = packing.write(flat_skeleton(tuple(feeds)), arrays, in_at, side.feed.array)
-    msg = RunBatch(batch_id, (TaskSpec(batch_id * 10, 1, 7, packed),), False, *out)
+    msg = RunBatch(batch_id, (TaskSpec(batch_id * 10, 1, 7, packed, step=step),), False, *out)
     return decode(encode(msg))  # (as the worker gets it)
 
 
@@ -177,6 +177,39 @@ def test_outputs_of_several_dtypes_are_the_general_paths_bytes(mixed_model: Path
     out = decode(sent[0]).outcomes[0]
     assert [np.dtype(r.dtype).name for r in out.outputs.arrays] == ["float32", "int64", "bool", "float16", "float32"]
     assert decode(sent[-1]).outcomes[0].outputs.arrays[0].offset == 8192
+
+
+@pytest.mark.parametrize("step", [1, 3], ids=["a call a row", "calls of 3 rows, the last of 1"])
+def test_a_task_in_steps_is_the_general_paths_bytes(models: Any, step: int) -> None:
+    """A group of callers' rows (engine.caller.combine) or a block of infer(batch_size=): one
+    session call of `step` rows after another, their outputs concatenated; the same bytes as
+    the general path's, in place too."""
+    x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32)
+    steps = [({"x": x + k}, {"step": step}) for k in range(3)]
+    sent, taken = _compare(models.mlp, steps)
+    assert taken == 2
+    y = decode(sent[1]).outcomes[0].outputs.arrays[0]
+    assert y.shape[0] == 4
+    sent, taken = _compare(models.mlp, steps, in_place_min_bytes=0)
+    assert [pickle.loads(d)[5] for d in sent] == [0, 1, 1] and taken == 2  # (BatchDone.in_place: learnt, then bound)
+
+
+def test_a_task_in_steps_whose_outputs_lack_the_rows_fails_as_in_the_general_path(mixed_model: Path) -> None:
+    """An output without the calls' rows on axis 0 (here a sum, of shape [1]) cannot be cut
+    back into each call's rows: the task's error, the general path's ValueError."""
+    x = {"x": np.ones((4, 4), np.float32)}
+    errors = []
+    for is_general in (True, False):
+        side = Side(mixed_model, None)
+        try:
+            side.run(_message(side, 1, x, step=2), is_general)  # (the signature checked)
+            errors.append(decode(side.run(_message(side, 2, x, step=2), is_general)).outcomes[0].error)
+            assert side.lean_taken == (0 if is_general else 1)
+        finally:
+            side.close()
+    (g, lo) = errors
+    assert (g.kind, g.type_name, g.message) == (lo.kind, lo.type_name, lo.message)
+    assert g.type_name == "ValueError" and "not those 2 rows on axis 0" in g.message
 
 
 def test_two_inputs_and_an_output_without_batch_axis(models: Any) -> None:
@@ -288,8 +321,7 @@ def test_a_task_with_an_option_is_declined_before_any_step(mixed_model: Path) ->
         lean = side.worker.lean
         assert lean is not None
         t = msg.tasks[0]
-        for other in (msg._replace(tasks=(t, t._replace(task_id=21))), msg._replace(tasks=(t._replace(step=1),)),
-                      msg._replace(tasks=(t._replace(deadline=1e12),)), msg._replace(tasks=(t._replace(context={"a": 1}),))):
+        for other in (msg._replace(tasks=(t, t._replace(task_id=21))), msg._replace(tasks=(t._replace(deadline=1e12),)), msg._replace(tasks=(t._replace(context={"a": 1}),))):
             assert lean.run(other) is None
             assert side.worker.status[0] == IDLE
         assert lean.run(msg) is not None

@@ -1,8 +1,10 @@
 """The worker's lean path (issue 21): the common task in the fewest interpreted opcodes.
 
 An idle `Engine.infer` of plain inputs sends its worker a RunBatch of ONE task: a flat dict
-of arrays (a FlatSkeleton), no context, no FaultSpec, no deadline, one session call (step 0),
-on a worker with a session and no preprocess or postprocess. The general path
+of arrays (a FlatSkeleton), no context, no FaultSpec, no deadline, one session call (or, a
+group of callers' rows under load, engine.caller.combine, and a block of infer(batch_size=):
+session calls of `step` rows, pipeline.run_in_steps, as the general path makes them), on a
+worker with a session and no preprocess or postprocess. The general path
 (workers.main.Worker.run_batch) walks it through every stage of every kind of batch; this
 path runs the same steps once, in one method, and keeps what cannot change between calls:
 
@@ -13,7 +15,7 @@ path runs the same steps once, in one method, and keeps what cannot change betwe
     their views and refs     per (region offset, that layout): the write is one copy each
 
     views -> status word 0 = the task -> region -> planner.place (a region of at least
-          in_place_min_bytes) -> fields(run) -> run -> run_s -> outputs into the region (or
+          in_place_min_bytes) -> fields(run) -> run (in steps) -> run_s -> outputs into the region (or
           the general _write: a region to ask for, outputs not plain) -> the BatchDone,
           encoded (protocol.encode_done: encode's bytes); the loop then writes IDLE, sends it
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from slabpool.workers import contract, packing
 from slabpool.workers.inplace import Placed, signature
-from slabpool.workers.pipeline import failure
+from slabpool.workers.pipeline import failure, run_in_steps
 from slabpool.workers.protocol import (
     ArrayRef,
     FlatSkeleton,
@@ -97,7 +99,7 @@ class LeanPath:
         if len(tasks) != 1:
             return None
         t = tasks[0]
-        if t.context is not None or t.fault is not None or t.deadline is not None or t.step:
+        if t.context is not None or t.fault is not None or t.deadline is not None:
             return None
         item = t.item
         t0 = _clock()
@@ -120,12 +122,13 @@ class LeanPath:
         try:  # Worker._run_one of a task without a fault, one session call
             if placed is None:
                 self.pipeline.stage = "run"
-                out: Any = self.session.run(feeds, self.timeout)
+                out: Any = (run_in_steps(self.session.run, feeds, t.step, self.timeout) if t.step
+                            else self.session.run(feeds, self.timeout))
                 if planner is not None:
                     planner.learn_key(key, out)
             else:
                 assert planner is not None
-                out = self._in_place(feeds, placed, tid)
+                out = self._in_place(feeds, placed, tid, t.step)
         except Exception as exc:  # noqa: BLE001 - the runtime raised: the task's outcome
             out = failure("run", exc)
         finally:
@@ -156,18 +159,18 @@ class LeanPath:
         self._inputs[item.arrays] = known
         return known
 
-    def _in_place(self, feeds: dict[str, np.ndarray], placed: Placed, tid: int) -> Any:
+    def _in_place(self, feeds: dict[str, np.ndarray], placed: Placed, tid: int, step: int = 0) -> Any:
         """The in-place run, or a plain one if it failed (then never in place for these inputs)."""
         self.pipeline.stage = "preprocess"  # (as the general path leaves it: no pipeline.run)
         try:
-            self.w._run_into(feeds, placed.dests, 0)
+            self.w._run_into(feeds, placed.dests, step)
             return placed
         except RunTimeout:
             raise
         except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
             log.debug("in-place run of task %d failed; running it plainly", tid)
         self.pipeline.stage = "run"
-        out = self.session.run(feeds, self.timeout)
+        out = run_in_steps(self.session.run, feeds, step, self.timeout) if step else self.session.run(feeds, self.timeout)
         assert self.planner is not None
         self.planner.forget(placed.key)  # the shapes vary with the data: never bind them
         return out
