@@ -83,3 +83,21 @@ def marked_and_spins(directory: str) -> None:
     (`record_spins`) in `directory`/spins-<its pid>."""
     die_on_marker(directory)
     record_spins(os.path.join(directory, f"spins-{os.getpid()}"))
+
+
+def marked_and_logs_when_told(directory: str) -> None:
+    """Initializer: `die_on_marker(directory)`, and a thread of each worker's that logs one
+    warning ("between tasks") once `directory`/log exists: news on its pipe that no task asked
+    for, sent while the worker waits for its next task."""
+    import logging
+    import threading
+
+    die_on_marker(directory)
+
+    def log_when_told() -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(directory, "log")) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        logging.getLogger("tests.between").warning("between tasks, pid %d", os.getpid())
+
+    threading.Thread(target=log_when_told, daemon=True).start()

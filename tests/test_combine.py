@@ -12,6 +12,7 @@ the other callers join a group; the waits only catch deadlocks.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -353,6 +354,38 @@ def test_a_groups_slot_is_parked_and_back_in_the_owners_selector_by_its_next_wai
             assert {w.fd for w in transport.workers} <= set(selector._watched)
         for i in range(3):
             _same(eng.submit(ROWS[i : i + 1]).result(timeout=60).outputs, ort_run(models.mlp, {"x": ROWS[i : i + 1]}))
+
+
+def test_news_on_a_parked_pipe_is_read_while_the_engine_idles(models, tmp_path, caplog):
+    """A worker's log record sent between tasks, while its slot's pipe is parked after a
+    group's task and the engine idles, reaches the caller's logging: the owner, woken by the
+    park, puts the pipe back in its selector at its next wait (PARK_S at most)."""
+    rows = [ROWS[i : i + 1] for i in range(2, 6)]
+    caplog.set_level(logging.WARNING, logger="tests.between")
+    with Engine(models.mlp, workers=2, initializer="tests.express_hooks:marked_and_logs_when_told",
+                initargs=(str(tmp_path),), stall_after=3600) as eng:  # (no stall check wakes the owner)
+        eng.infer(ROWS[:1])
+        _held(eng, tmp_path, [_hold(0), _hold(1)], rows)
+        assert eng._sup.fast.parks == 1  # type: ignore[attr-defined]
+        (tmp_path / "log").touch()
+        _until(lambda: sum(r.name == "tests.between" for r in caplog.records) == 2, "both workers' records")
+    pids = {s.pid for s in eng.stats().slots}
+    assert {r.getMessage() for r in caplog.records if r.name == "tests.between"} == {
+        f"between tasks, pid {p}" for p in pids}
+
+
+def test_a_park_wakes_an_owner_that_sleeps_longer_than_park_s(models):
+    """The owner sleeps until its next timer (a stall check, here an hour away): a group's
+    task that parks its slot wakes it, and its next wait puts the pipe back."""
+    from slabpool.engine.caller.request import Request
+
+    with Engine(models.mlp, workers=1, stall_after=3600) as eng:
+        eng.infer(ROWS[:1])
+        fast, selector = eng._sup.fast, eng._transport.selector  # type: ignore[attr-defined]
+        got = eng._run_group(Request({"x": ROWS[:4]}, units=0, step=1))  # type: ignore[attr-defined]
+        _same(got, ort_run(models.mlp, {"x": ROWS[:4]}))
+        assert fast.parks == 1
+        _until(lambda: not selector._parked, "the owner's next wait puts the parked pipe back")
 
 
 def test_a_send_that_is_not_a_lend_puts_a_parked_pipe_back_at_once(models):
