@@ -36,8 +36,11 @@
      would queue wait together, a group a signature, and go as ONE task (their inputs
      concatenated, `step` = a caller's rows: a session call each, whose outputs the worker
      checks hold its rows), run by one of them, the leader, the way a call alone runs (the
-     express lane on an idle slot, else lent a slot: Lender.LEADER); each caller copies its
-     own rows out. At most one task of ours a slot. A group's task that fails (a row's
+     express lane, which a leader waits for the owner lock to take, on any idle slot; else
+     lent a slot: Lender.LEADER), its worker's lean path too; each caller copies its own rows
+     out. Answered, the group's slot goes back parked: out of the owner's selector until the
+     owner's next wait (at most PARK_S) or a send that is not a lend, so the next group's
+     lend costs no epoll_ctl. At most one task of ours a slot. A group's task that fails (a row's
      error, a worker killed, outputs without the callers' rows, a close) sends each of its
      callers alone, to its own outputs or error. A model slower than SLOW_S a call is not
      combined (its calls stay pipelined to their slots).
@@ -77,7 +80,7 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   parts it holds: `owner.OwnerThread` (the thread that changes slots and running tasks, while
   it holds the owner lock, `owner.OwnerLock`; callers hand it callables: `call(fn, *args)`), `fastpath.FastPath`
   (a caller that holds the owner lock acts as the owner: one call without a thread hop;
-  `interrupts` keeps a Ctrl-C out of those stretches), `ledger.TaskLedger` (ends each task once,
+  `interrupts` keeps a Ctrl-C out of those stretches; `wakefd` is a lender's eventfd), `ledger.TaskLedger` (ends each task once,
   step 9: counters, histograms, Futures completed after the step), `dispatcher.Dispatcher`
   (steps 3-4, and 8-9 on a Done), `watchdog.Watchdog` (task_timeout, stall, start-up bound,
   back-off), `slots.SlotRecord` (a slot's state: one (state, event) table in `states`), and a
@@ -110,7 +113,7 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   Inference Protocol over HTTP and gRPC, on the public API (one engine per model).
 - `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b).
 - `slabpool.workers.main`: the worker loop (`slabpool.workers.lean`: one plain task in the fewest
-  steps); `slabpool.workers.pipeline` the steps 5-7 every kind
+  steps, its session call or its calls of `step` rows); `slabpool.workers.pipeline` the steps 5-7 every kind
   of worker runs (preprocess -> contract -> run -> postprocess); one session per process.
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 

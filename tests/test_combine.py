@@ -357,9 +357,11 @@ def test_a_groups_slot_is_parked_and_back_in_the_owners_selector_by_its_next_wai
 
 
 def test_news_on_a_parked_pipe_is_read_while_the_engine_idles(models, tmp_path, caplog):
-    """A worker's log record sent between tasks, while its slot's pipe is parked after a
-    group's task and the engine idles, reaches the caller's logging: the owner, woken by the
-    park, puts the pipe back in its selector at its next wait (PARK_S at most)."""
+    """A worker's log record sent between tasks, after its slot's pipe was parked by a
+    group's task and the engine idles, reaches the caller's logging. (What the owner does to
+    a parked pipe while it would sleep long, this test does not pin: other wake-ups of the
+    owner put the pipe back here too. test_a_park_wakes_an_owner_that_sleeps_longer_than_park_s
+    does.)"""
     rows = [ROWS[i : i + 1] for i in range(2, 6)]
     caplog.set_level(logging.WARNING, logger="tests.between")
     with Engine(models.mlp, workers=2, initializer="tests.express_hooks:marked_and_logs_when_told",

@@ -40,7 +40,7 @@ import numpy as np
 
 from slabpool.workers import contract, packing
 from slabpool.workers.inplace import Placed, signature
-from slabpool.workers.pipeline import failure, run_in_steps
+from slabpool.workers.pipeline import failure
 from slabpool.workers.protocol import (
     ArrayRef,
     FlatSkeleton,
@@ -119,11 +119,9 @@ class LeanPath:
         planner = self.planner  # (a region smaller than in_place_min_bytes places nothing)
         placed = planner.place(region, key) if region[1] >= self.place_from and planner is not None else None
         token = task_fields.set({"task_id": tid, "attempt": t.attempt, "stage": "run"})
-        try:  # Worker._run_one of a task without a fault, one session call
+        try:  # Worker._run_one of a task without a fault: one session call, or one a step
             if placed is None:
-                self.pipeline.stage = "run"
-                out: Any = (run_in_steps(self.session.run, feeds, t.step, self.timeout) if t.step
-                            else self.session.run(feeds, self.timeout))
+                out: Any = self.pipeline.run(feeds, self.timeout, t.step)
                 if planner is not None:
                     planner.learn_key(key, out)
             else:
@@ -169,8 +167,7 @@ class LeanPath:
             raise
         except Exception:  # noqa: BLE001 - a plain run tells a shape change from a real error
             log.debug("in-place run of task %d failed; running it plainly", tid)
-        self.pipeline.stage = "run"
-        out = run_in_steps(self.session.run, feeds, step, self.timeout) if step else self.session.run(feeds, self.timeout)
+        out = self.pipeline.run(feeds, self.timeout, step)
         assert self.planner is not None
         self.planner.forget(placed.key)  # the shapes vary with the data: never bind them
         return out
