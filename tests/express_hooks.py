@@ -65,15 +65,18 @@ def _first_time(directory: str, marker: str) -> bool:
 
 def record_spins(path: str) -> None:
     """Initializer: each wait of the worker's loop for its next message appends the seconds it
-    was told to poll first (RunBatch.spin of the batch it last answered) to `path`."""
+    was told to poll first (RunBatch.spin of the batch it last answered) to `path`, and the
+    engine's tasks it was told poll too (RunBatch.peers) to `path`-peers."""
     from slabpool.workers import wire
 
     original = wire.FrameReader.recv
 
-    def recv(self: Any, spin: float = 0.0) -> bytes:
+    def recv(self: Any, spin: float = 0.0, peers: int = 0) -> bytes:
         with open(path, "a") as f:
             f.write(f"{spin!r}\n")
-        return original(self, spin)
+        with open(f"{path}-peers", "a") as f:
+            f.write(f"{peers}\n")
+        return original(self, spin, peers)
 
     wire.FrameReader.recv = recv  # type: ignore[method-assign]
 

@@ -25,7 +25,7 @@ from slabpool.engine.core import fastpath
 from slabpool.workers.errors import PoisonTask, TaskCancelled, TaskTimeout
 from tests import express_hooks as H
 from tests.reference import ort_run
-from tests.test_fastpath import _owner_asleep, _until
+from tests.test_fastpath import _fast, _in_thread, _owner_asleep, _until
 
 HOOK = "tests.express_hooks:die_on_marker"
 ROWS = np.random.default_rng(11).standard_normal((64, 16)).astype(np.float32)
@@ -320,8 +320,45 @@ def test_a_lent_call_tells_its_worker_to_poll_for_the_next_and_a_queued_one_does
     assert spins[owner_waits - 3 : owner_waits] == [0.0] * 3  # (after the submitted tasks' answers)
     lent = spins[-3:]  # (after each of the last 3 answers: the express calls' batches)
     assert lent == [spin_us / 1e6] * 3
+    assert _peers(log) == [0] * waits  # (one call lent at a time: no other task of the engine polls)
     for i, g in enumerate(got, 1):
         assert g.tobytes() == ort_run(models.mlp, {"x": _row(i)})["probs"].tobytes()
+
+
+def _peers(log: Any) -> list[int]:
+    path = log.parent / f"{log.name}-peers"
+    return [int(v) for v in path.read_text().split()] if path.exists() else []
+
+
+def test_a_lent_call_beside_another_tells_its_worker_of_the_engines_other_pollers(models, tmp_path):
+    """Two calls lent their slots at once (one hangs in its run): the second's RunBatch tells
+    its worker that two more tasks of the engine poll (the other call's caller and worker,
+    RunBatch.peers), so that a host of as many runnable tasks as that does not stop its poll
+    for the next call (workers.wire.Spin); the first, sent alone, carries none. Outputs are
+    the session's."""
+    with Engine(models.mlp, workers=2, initializer="tests.express_hooks:marked_and_spins",
+                initargs=(str(tmp_path),)) as eng:
+        eng.infer(_row(0))
+        for _ in range(20):  # (each call may find the owner stepping and go the general way: again)
+            for name in ("started", "open"):
+                (tmp_path / name).unlink(missing_ok=True)
+            _owner_asleep(eng)
+            before = _lane(eng).taken
+            t, hung = _in_thread(eng.infer, _row(1, H.HANG))
+            _until(lambda: (tmp_path / "started").exists(), "the first call runs")
+            first = _lane(eng).taken == before + 1 and len(_fast(eng).lent) == 1
+            got = eng.infer(_row(2))["probs"]
+            both = first and _lane(eng).taken == before + 2
+            (tmp_path / "open").touch()
+            t.join(60)
+            if both:
+                break
+        else:
+            raise AssertionError("the two calls were never lent at once in 20 tries")
+        logs = sorted(tmp_path.glob("spins-*[0-9]"))
+        _until(lambda: sorted(_peers(p)[-1] for p in logs) == [0, 2], "each worker waits after its answer")
+    assert got.tobytes() == ort_run(models.mlp, {"x": _row(2)})["probs"].tobytes()
+    assert hung[0]["probs"].tobytes() == ort_run(models.mlp, {"x": _row(1, H.HANG)})["probs"].tobytes()
 
 
 def test_a_worker_killed_while_it_polls_for_the_next_call_costs_no_call(models):

@@ -684,7 +684,7 @@ def test_a_ctrl_c_while_the_caller_acts_as_the_owner_abandons_the_call_not_the_e
             monkeypatch.setattr(fast.co.dispatcher, "before_send", lambda slot, b: (ctrl_c(), send(slot, b)))
         elif where == "the lender's spin":  # (its poll before it sleeps: spin_us, workers.wire.Spin)
             spin = fast.spin.wait
-            monkeypatch.setattr(fast.spin, "wait", lambda fd, s: (ctrl_c(), spin(fd, s))[1])
+            monkeypatch.setattr(fast.spin, "wait", lambda fd, s, peers=0: (ctrl_c(), spin(fd, s, peers))[1])
         elif where == "the lender's step":  # (the express lane reads with lent_frames)
             read, frames = fast.transport.read_lent, fast.transport.lent_frames
             monkeypatch.setattr(fast.transport, "read_lent", lambda slot: (ctrl_c(), read(slot))[1])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from slabpool.workers.wire import CHUNK, FrameReader, Spin, runnable, spin_until
+from slabpool.workers.wire import CHUNK, FrameReader, Spin, polling_peers, runnable, spin_until
 
 
 @pytest.fixture
@@ -125,6 +125,21 @@ def test_no_spin_while_the_host_has_more_tasks_runnable_than_cpus(pipe) -> None:
     assert (crowded.caught, crowded.misses, crowded.skip) == (0, 0, 0)
     roomy = Spin(cpus=1 << 20)
     assert roomy.wait(reader.fd, 30.0) and not roomy.crowded and roomy.caught == 1
+    assert reader.recv() == b"there"
+
+
+def test_the_engines_own_polling_tasks_do_not_count_as_a_crowd(pipe) -> None:  # type: ignore[no-untyped-def]
+    """`peers`, the tasks of the looker's own engine that poll too (each other lent call's
+    caller and worker: polling_peers), are not counted against the CPUs: a Spin that the host's
+    runnable tasks crowd polls once they are all its peers."""
+    reader, writer, _ = pipe
+    assert [polling_peers(n) for n in range(4)] == [0, 0, 2, 4]
+    writer.send_bytes(b"there")
+    spin = Spin(cpus=0)
+    assert not spin.wait(reader.fd, 30.0) and spin.crowded  # (the looker alone is a crowd of 0 CPUs)
+    for _ in range(Spin.SAMPLE - 1):  # (the next look at the host comes after SAMPLE waits)
+        spin.wait(reader.fd, 30.0, peers=1 << 20)
+    assert spin.wait(reader.fd, 30.0, peers=1 << 20) and not spin.crowded and spin.caught == 1
     assert reader.recv() == b"there"
 
 

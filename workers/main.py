@@ -201,10 +201,10 @@ class Worker:
         self.lean = LeanPath(self) if session is not None and not hooked else None
 
     def loop(self) -> None:
-        lean, reader, spin = self.lean, self.reader, 0.0
+        lean, reader, spin, peers = self.lean, self.reader, 0.0, 0
         while True:
             try:
-                msg = self.pending.popleft() if self.pending else decode(reader.recv(spin))
+                msg = self.pending.popleft() if self.pending else decode(reader.recv(spin, peers))
             except EOFError:
                 return  # the supervisor is gone
             spin = 0.0
@@ -227,7 +227,7 @@ class Worker:
                     self.outbox.send_encoded(done)
                 else:
                     self.outbox.send(done)
-                spin = msg.spin  # (a lent batch's: its caller's next call may come at once)
+                spin, peers = msg.spin, msg.peers  # (a lent batch's: its caller's next call may come at once)
             elif isinstance(msg, Shutdown):
                 return
 

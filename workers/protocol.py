@@ -138,6 +138,8 @@ class RunBatch(NamedTuple):
     # seconds to poll for the next batch after answering this one, before sleeping: a caller
     # waits on this answer alone (its slot lent on an idle engine; EngineConfig.spin_us)
     spin: float = 0.0
+    # the engine's tasks that poll too as it is sent (wire.polling_peers: other lent calls)
+    peers: int = 0
 
 
 SPLIT: Final = ErrorKind.SPLIT  # an OutputGrant's error and then that batch's RemoteError kind: its outputs
@@ -285,7 +287,7 @@ def encode(msg: Any) -> bytes:
             (t.task_id, t.attempt, t.seed, *_flat_packed(t.item), t.context, t.fault, t.deadline, t.step)
             for t in msg.tasks
         ])
-        wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks, msg.spin)
+        wire: tuple[Any, ...] = (_RUN, msg.batch_id, msg.stack, msg.out_offset, msg.out_nbytes, tasks, msg.spin, msg.peers)
     elif kind is BatchDone:
         outs = tuple([outcome_wire(o) for o in msg.outcomes])
         wire = (_DONE, msg.batch_id, msg.run_s, msg.rss, outs, msg.in_place)
@@ -318,10 +320,10 @@ def decode(data: bytes) -> Any:
     wire = pickle.loads(data)
     kind = wire[0]
     if kind == _RUN:  # (tuple.__new__: a NamedTuple's own __new__ is a Python call each)
-        _, batch_id, stack, off, nbytes, tasks, spin = wire
+        _, batch_id, stack, off, nbytes, tasks, spin, peers = wire
         specs = tuple([_new(TaskSpec, (i, a, s, _unflat(f, sk, r), c, fs, d, st))
                        for i, a, s, f, sk, r, c, fs, d, st in tasks])
-        return _new(RunBatch, (batch_id, specs, stack, off, nbytes, spin))
+        return _new(RunBatch, (batch_id, specs, stack, off, nbytes, spin, peers))
     if kind == _DONE:
         _, batch_id, run_s, rss, outs, in_place = wire
         outcomes = tuple([

@@ -66,11 +66,12 @@ class FrameReader:
                 break
         return frames
 
-    def recv(self, spin: float = 0.0) -> bytes:
+    def recv(self, spin: float = 0.0, peers: int = 0) -> bytes:
         """The next frame, waiting for it (the worker's side); polling for up to `spin`
-        seconds before it sleeps in read(), while that pays (`Spin`)."""
+        seconds before it sleeps in read(), while that pays (`Spin`; `peers`: its engine's
+        tasks that poll too)."""
         if spin and not self._frames:
-            self.spin.wait(self.fd, spin)
+            self.spin.wait(self.fd, spin, peers)
         while not self._frames:
             self._frames = self.read()
         return self._frames.pop(0)
@@ -130,6 +131,10 @@ class Spin:
       count of /proc/loadavg, which counts the looker too, looked at every SAMPLE waits): a
       poll then takes a core that something else, maybe the peer itself, waits for. Two
       engines each with a busy caller on 2 cores (4 runnable) were 10-20% slower polling.
+      The engine's own other lent calls are not that something else: each one's caller and
+      worker poll too, and yield to each other each turn (`polling_peers`: not counted).
+      Two threads calling one engine of 2 workers on 2 cores (4 runnable) made twice the
+      calls/s once their workers polled for the next call too (docs/latency.md).
 
     Counters only: a race between threads sharing one costs a spin more or less."""
 
@@ -144,12 +149,14 @@ class Spin:
         self.crowded = False  # at the last look, more tasks runnable than CPUs
         self._waits = 0
 
-    def wait(self, fd: int, seconds: float) -> bool:
+    def wait(self, fd: int, seconds: float, peers: int = 0) -> bool:
         """Poll `fd` for up to `seconds` unless recent spins missed or the host is crowded
-        (then return at once): whether it is readable now (False: not polled, or nothing came)."""
+        (then return at once): whether it is readable now (False: not polled, or nothing came).
+        `peers`: tasks of the looker's own engine that poll with it (`polling_peers`), not
+        counted against the CPUs."""
         self._waits += 1
         if self._waits % self.SAMPLE == 1:
-            self.crowded = runnable() > self.cpus
+            self.crowded = runnable() > self.cpus + peers
         if self.crowded:
             return False
         if self.skip:
@@ -162,6 +169,12 @@ class Spin:
         self.misses = min(self.misses + 1, self.MAX_MISSES)
         self.skip = (1 << self.misses) - 1
         return False
+
+
+def polling_peers(lent: int) -> int:
+    """The tasks that poll beside one lent call's caller and worker, while `lent` calls of
+    its engine are lent their slots: each other one's caller and worker."""
+    return 2 * max(lent - 1, 0)
 
 
 def runnable() -> int:

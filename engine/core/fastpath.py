@@ -58,7 +58,7 @@ from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.core.transport import Event
 from slabpool.engine.core.wakefd import thread_wake
 from slabpool.workers.errors import EngineInternalError
-from slabpool.workers.wire import Spin
+from slabpool.workers.wire import Spin, polling_peers
 
 if TYPE_CHECKING:
     from slabpool.engine.core.coordinator import Coordinator
@@ -304,8 +304,9 @@ class FastPath:
             poller.register(lend.fd, select.POLLIN)
             poller.register(wake_fd, select.POLLIN)
             if self.spin_s and not lend.task.step:  # (the answer mostly lands within it: no wake-up;
-                self.spin.wait(lend.fd, self.spin_s)  # see workers.wire.Spin. A block, a group of
-                # callers' rows (engine.caller.combine), is no idle call: its callers are many)
+                # see workers.wire.Spin. A block, a group of callers' rows (engine.caller.combine),
+                # is no idle call: its callers are many)
+                self.spin.wait(lend.fd, self.spin_s, polling_peers(len(self.lent)))
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got

@@ -65,6 +65,7 @@ from slabpool.workers.protocol import (
     Ready as WorkerReady,
 )
 from slabpool.workers.session import SessionSpec
+from slabpool.workers.wire import polling_peers
 
 log = logging.getLogger("slabpool.engine")
 RETIRE_GRACE = 10.0  # seconds a retiring worker has to exit on its Shutdown before SIGKILL
@@ -117,9 +118,11 @@ class LocalTransport:
         fi = self.cfg.fault_injection
         specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
                                 t.deadline, t.step) for t in batch.tasks])
+        spin = self.spin_s if w.lent and not specs[0].step else 0.0  # (a block: no idle call)
+        peers = polling_peers([x.lent for x in self.workers].count(True)) if spin else 0
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
-                                   self.spin_s if w.lent and not specs[0].step else 0.0))  # (a block: no idle call)
+                                   spin, peers))
         except Exception as exc:
             self.regions.release(sent)
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
