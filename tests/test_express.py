@@ -14,6 +14,7 @@ signals; the waits only catch deadlocks.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import Any
 
@@ -258,6 +259,56 @@ def test_calls_from_many_threads_each_get_their_own_rows_outputs(models, tmp_pat
     assert st.accepted == st.completed <= 321 and (st.failed, st.restarts) == (0, 1)
     assert st.items_accepted == st.items_completed == 321
     assert st.shm_inputs_used == 0
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 4])
+def test_a_thread_call_takes_an_idle_slot_while_another_holds_the_owners_work(models, tmp_path, max_batch_size):
+    """One slot runs a submitted task (the owner's: nobody waits on its pipe) that hangs in
+    its run; a plain call of another thread takes the other, idle slot through the express
+    lane (declined, it went the owner's way, and that slot's work then declined the next
+    call in turn). With dynamic batching the idle slot is the owner's to fill: the call goes
+    the general way, where calls that queue under load are stacked. Outputs byte for byte."""
+    with Engine(models.mlp, workers=2, max_batch_size=max_batch_size, initializer=HOOK,
+                initargs=(str(tmp_path),)) as eng:
+        eng.infer(_row(0))
+        hung = eng.submit(_row(1, H.HANG))
+        _until(lambda: (tmp_path / "started").exists(), "the submitted task runs")
+        _owner_asleep(eng)
+        before = _lane(eng).taken
+        got = eng.infer(_row(2))["probs"]
+        taken = _lane(eng).taken - before
+        (tmp_path / "open").touch()
+        late = hung.result(60).outputs["probs"]
+        st = eng.stats()
+    assert taken == (1 if max_batch_size == 1 else 0)
+    assert got.tobytes() == ort_run(models.mlp, {"x": _row(2)})["probs"].tobytes()
+    assert late.tobytes() == ort_run(models.mlp, {"x": _row(1, H.HANG)})["probs"].tobytes()
+    assert st.accepted == st.completed == 3 and st.shm_inputs_used == 0
+
+
+def test_a_thread_call_waits_for_the_owner_lock_and_takes_the_express_lane(models):
+    """The owner lock is held (here by the test, as by another caller's step or the owner's):
+    a plain call waits for it, and then goes the express lane, not the owner's way."""
+    with Engine(models.mlp, workers=2) as eng:
+        eng.infer(_row(0))
+        _owner_asleep(eng)
+        lock, before = _lane(eng).lock, _lane(eng).taken
+        lock.own()
+        try:
+            t, out = _in_thread(eng.infer, _row(3))
+            _until(lambda: _frame_name(t) == "own", "the call waits for the owner lock")
+        finally:
+            lock.let_go()
+        t.join(60)
+        taken = _lane(eng).taken - before
+    assert taken == 1
+    assert out[0]["probs"].tobytes() == ort_run(models.mlp, {"x": _row(3)})["probs"].tobytes()
+
+
+def _frame_name(t: threading.Thread) -> str | None:
+    """The function thread `t` runs now (a C call's caller: a lock's acquire shows `own`)."""
+    frame = sys._current_frames().get(t.ident or 0)
+    return None if frame is None else frame.f_code.co_name
 
 
 def test_what_the_express_lane_leaves_to_the_general_path(models):

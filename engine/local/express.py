@@ -8,9 +8,11 @@ needs none of their decisions, and they were most of its ~5,800 interpreted opco
 (docs/latency.md). The express lane makes the same records (a Task with its Future, a Batch
 on a slot, the input lease, the lend) and skips only the choosing:
 
-    caller thread, the owner lock taken only if free (never waits for it)
+    caller thread, the owner lock taken (a thread waits for it; an event loop takes it only
+    if free, and never while another call of the engine is in flight)
      nothing queued, no close, reload, failure or owner call pending; a READY slot holding
-     nothing: else no express, the general path as before
+     nothing (with dynamic batching, `max_batch_size` > 1: and no slot holding the owner's
+     work, which stacks the calls that queue under load): else no express, the general path
        step 2   the inputs' layout learnt once per signature; lease, copy in
                 the queue accepts it running (`TaskQueue.accept_running`: the next id, counted)
        3-4      the dispatcher's own `send_batch` to that slot, lent to this thread (an
@@ -68,6 +70,7 @@ class Express:
         self._dtypes: dict[str, np.dtype[Any]] = {}
         cfg = eng.config
         self.on = self.fast.enabled and cfg.preprocess is None and cfg.postprocess is None
+        self.stacks = cfg.max_batch_size > 1  # the owner stacks what queues under load: see _dispatch
         # a dispatch here sets no timer sooner than this (a stall, task_timeout: FastPath._tell_owner)
         self.horizon = min(cfg.stall_after, cfg.task_timeout if cfg.task_timeout is not None else math.inf)
         self._layouts: dict[tuple[Any, ...], tuple[Any, list[int], int] | None] = {}
@@ -151,26 +154,34 @@ class Express:
 
     def _dispatch(self, eng: Engine, inputs: dict[Any, Any], known: tuple[Any, int],
                   lay: tuple[Any, list[int], int], loop: bool, step: int = 0) -> TaskFuture | None:
-        """Steps 2-4 under the owner lock, if it is free and a slot is idle; the Future (its
-        `lend` the slot lent to this thread), or None: nothing accepted.
+        """Steps 2-4 under the owner lock, if a slot is idle; the Future (its `lend` the slot
+        lent to this thread), or None: nothing accepted.
 
-        A group's task (`step`: engine.caller.combine) waits for the lock, and takes any idle
-        slot even while another holds the owner's work: a leader carries its callers, and
-        declined, its task went through the owner thread (measured at 8 callers: a quarter of
-        the groups, the lock held by the other leader's step or the other slot the owner's),
-        whose slot the next group's express lane then declined in turn.
+        A thread waits for the lock, and takes any idle slot even while another holds the
+        owner's work. Declined, its call went through the owner thread, and that slot's work
+        then declined the next call in turn: at 2 callers three calls in five went the
+        owner's way once one had (the lock held by the other caller's step); waiting, 2
+        callers made 12,389 calls/s against 11,314 and 3 callers 8,870 against 6,843
+        (docs/latency.md). A group's task (`step`: engine.caller.combine) is a thread's too:
+        at 8 callers a quarter of the groups went the owner's way. Only with dynamic batching
+        (`stacks`) is an idle slot left to the owner while another holds its work: the owner
+        stacks the calls that queue under load, and a call that took the idle slot would
+        stack nothing.
 
         An event loop is lent a slot only when nothing else of the engine is in flight, and
         was not at its last accept either (`FastPath.loop_calm`, as FastPath._idle: a loop that
         serves waves of requests would hold a lent slot idle until it looks). A call this lane
         takes leaves `loop_calm` as it was (True: this accept was idle too); one it declines is
         the general path's, which updates it once."""
-        if step and not self.lock.held_here:
+        if loop:
+            if not self.lock.try_own():
+                return None  # (a loop never waits: it serves its other calls meanwhile)
+        elif self.lock.held_here:
+            return None  # (a caller holding it already: the general way, not a wait on itself)
+        else:
             self.lock.own()
-        elif not self.lock.try_own():
-            return None
         try:
-            slot = self._idle_slot(any_idle=bool(step))
+            slot = self._idle_slot(any_idle=bool(step) or not (loop or self.stacks))
             if loop and not (slot is not None and self.fast.loop_calm and not (self.fast.lent or self.ledger.in_flight())):
                 return None  # (loop_calm is the general path's to update for this call: one accept, once)
             if slot is None:
@@ -231,7 +242,7 @@ class Express:
         """Under the lock: a READY slot holding nothing, not lent, on an engine with nothing
         else for the owner to do first (nothing queued or to replay, no close, reload,
         failure or owner call pending, no slot holding work the owner thread reads: unless
-        `any_idle`, a group's task); else None."""
+        `any_idle`, see _dispatch); else None."""
         co = self.co
         if (co.ledger.closing is not None or co.ledger.failure is not None or co.reload is not None
                 or co.thread.pending):
