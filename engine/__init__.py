@@ -23,14 +23,16 @@
      call polls pipe k for up to spin_us before it sleeps, and its worker, after answering a
      lent batch (RunBatch.spin), polls for the next one: two wake-ups saved a call; neither
      polls while its polls run out, nor on a host with more tasks runnable than CPUs
-     (workers.wire.Spin), nor for a block (a task of `step` rows: a group of callers below).
+     (workers.wire.Spin; the engine's other lent calls, a caller and a worker each, are not
+     counted: RunBatch.peers), nor for a block (a task of `step` rows: a group of callers below).
 
-     express lane (engine.local.express): an idle call of plain inputs (infer, infer_async,
-     submit_async) is accepted running (never queued) and sent by the dispatcher's own
-     send_batch to an idle slot lent to it; its happy path's answer is copied out by its
-     caller and ended by the dispatcher's `delivered` (no Future to complete; a Result, as
-     step 9 makes it, only for submit_async); anything else is the fast path's own step. Its
-     worker runs one plain task on a lean path (workers.lean).
+     express lane (engine.local.express): a call of plain inputs (infer, infer_async,
+     submit_async) that finds a slot idle and nothing queued (a thread waits for the owner
+     lock; a loop only takes it free) is accepted running (never queued) and sent by the
+     dispatcher's own send_batch to that slot, lent to it; its happy path's answer is
+     copied out by its caller and ended by the dispatcher's `delivered` (no Future to
+     complete; a Result, as step 9 makes it, only for submit_async); anything else is the
+     fast path's own step. Its worker runs one plain task on a lean path (workers.lean).
 
      callers combined (engine.caller.combine): under load, infer() calls of plain inputs that
      would queue wait together, a group a signature, and go as ONE task (their inputs
