@@ -118,7 +118,7 @@ class LocalTransport:
         fi = self.cfg.fault_injection
         specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
                                 t.deadline, t.step) for t in batch.tasks])
-        spin = self.spin_s if w.lent and not specs[0].step else 0.0  # (a block: no idle call)
+        spin = self.spin_s if w.lent else 0.0  # (a caller waits on it: a call alone's or a group's; never a block)
         peers = polling_peers([x.lent for x in self.workers].count(True)) if spin else 0
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
