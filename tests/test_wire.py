@@ -114,15 +114,16 @@ def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> 
 
 def test_no_spin_while_the_host_has_more_tasks_runnable_than_cpus(pipe) -> None:  # type: ignore[no-untyped-def]
     """Spin looks at the host's runnable tasks (/proc/loadavg, the looker counted) every SAMPLE
-    waits: with more than its CPUs it never polls, even for bytes already there (the core is
-    someone else's to have); the back-off is left as it was."""
+    waits: with more than its CPUs at two looks in a row it never polls, even for bytes already
+    there (the core is someone else's to have); the back-off is left as it was. One such look
+    alone is no crowd (a moment's: the looker's own woken callers)."""
     reader, writer, _ = pipe
     assert runnable() >= 1  # (this test's own thread is running)
     writer.send_bytes(b"there")
     crowded = Spin(cpus=0)
-    for _ in range(2 * Spin.SAMPLE):
-        assert not crowded.wait(reader.fd, 30.0) and crowded.crowded
-    assert (crowded.caught, crowded.misses, crowded.skip) == (0, 0, 0)
+    got = [crowded.wait(reader.fd, 30.0) for _ in range(3 * Spin.SAMPLE)]  # (the bytes stay unread)
+    assert got == [True] * Spin.SAMPLE + [False] * (2 * Spin.SAMPLE) and crowded.crowded
+    assert (crowded.caught, crowded.misses, crowded.skip) == (Spin.SAMPLE, 0, 0)
     roomy = Spin(cpus=1 << 20)
     assert roomy.wait(reader.fd, 30.0) and not roomy.crowded and roomy.caught == 1
     assert reader.recv() == b"there"
@@ -136,10 +137,12 @@ def test_the_engines_own_polling_tasks_do_not_count_as_a_crowd(pipe) -> None:  #
     assert [polling_peers(n) for n in range(4)] == [0, 0, 2, 4]
     writer.send_bytes(b"there")
     spin = Spin(cpus=0)
-    assert not spin.wait(reader.fd, 30.0) and spin.crowded  # (the looker alone is a crowd of 0 CPUs)
-    for _ in range(Spin.SAMPLE - 1):  # (the next look at the host comes after SAMPLE waits)
-        spin.wait(reader.fd, 30.0, peers=1 << 20)
-    assert spin.wait(reader.fd, 30.0, peers=1 << 20) and not spin.crowded and spin.caught == 1
+    for _ in range(Spin.SAMPLE + 1):  # (two looks, SAMPLE waits apart: the looker alone is a crowd of 0 CPUs)
+        spin.wait(reader.fd, 30.0)
+    assert spin.crowded and not spin.wait(reader.fd, 30.0)
+    for _ in range(Spin.SAMPLE - 2):  # (the next look comes SAMPLE waits after the last)
+        assert not spin.wait(reader.fd, 30.0, peers=1 << 20)
+    assert spin.wait(reader.fd, 30.0, peers=1 << 20) and not spin.crowded
     assert reader.recv() == b"there"
 
 

@@ -128,9 +128,14 @@ class Spin:
       caller whose calls come far apart (or whose model runs longer than the spin) pays the
       spin's CPU about once in 64 calls, not on each.
     - No spin while the host has more tasks runnable than this process has CPUs (the running
-      count of /proc/loadavg, which counts the looker too, looked at every SAMPLE waits): a
-      poll then takes a core that something else, maybe the peer itself, waits for. Two
-      engines each with a busy caller on 2 cores (4 runnable) were 10-20% slower polling.
+      count of /proc/loadavg, which counts the looker too, looked at every SAMPLE waits), at
+      two looks in a row: a poll then takes a core that something else, maybe the peer
+      itself, waits for. Two engines each with a busy caller on 2 cores (4 runnable) were
+      10-20% slower polling. One look may catch a moment's crowd that is no one else's: the
+      callers a group's answer just woke, which share the looker's GIL and soon sleep again.
+      Stopping on such a look cost the next SAMPLE calls two wake-ups each, whose wakers
+      then crowded the next look too (4 callers on 2 slots: 9,000-17,000 calls/s from one
+      run to the next; 14,900-17,000 with two looks).
       The engine's own other lent calls are not that something else: each one's caller and
       worker poll too, and yield to each other each turn (`polling_peers`: not counted).
       Two threads calling one engine of 2 workers on 2 cores (4 runnable) made twice the
@@ -146,7 +151,8 @@ class Spin:
         self.misses = 0  # spins in a row that caught nothing
         self.skip = 0  # waits left that sleep at once
         self.caught = 0  # spins that caught their bytes (stats for tests and bench)
-        self.crowded = False  # at the last look, more tasks runnable than CPUs
+        self.crowded = False  # at the last two looks, more tasks runnable than CPUs
+        self._over = False  # at the last look
         self._waits = 0
 
     def wait(self, fd: int, seconds: float, peers: int = 0) -> bool:
@@ -156,7 +162,8 @@ class Spin:
         counted against the CPUs."""
         self._waits += 1
         if self._waits % self.SAMPLE == 1:
-            self.crowded = runnable() > self.cpus + peers
+            over = runnable() > self.cpus + peers
+            self.crowded, self._over = over and self._over, over
         if self.crowded:
             return False
         if self.skip:
