@@ -24,7 +24,8 @@
      lent batch (RunBatch.spin), polls for the next one: two wake-ups saved a call; neither
      polls while its polls run out, nor on a host with more tasks runnable than CPUs
      (workers.wire.Spin; the engine's other lent calls, a caller and a worker each, are not
-     counted: RunBatch.peers), nor for a block (a task of `step` rows: a group of callers below).
+     counted: RunBatch.peers; a crowd seen at two looks in a row), nor for a block (never lent;
+     a group of callers' task below polls as a call alone's does).
 
      express lane (engine.local.express): a call of plain inputs (infer, infer_async,
      submit_async) that finds a slot idle and nothing queued (a thread waits for the owner
