@@ -135,6 +135,8 @@ def test_the_engines_own_polling_tasks_do_not_count_as_a_crowd(pipe) -> None:  #
     runnable tasks crowd polls once they are all its peers."""
     reader, writer, _ = pipe
     assert [polling_peers(n) for n in range(4)] == [0, 0, 2, 4]
+    assert [polling_peers(1, k) for k in (0, 1, 4)] == [0, 0, 3]  # (callers not lent: a group's)
+    assert polling_peers(2, 5) == 5
     writer.send_bytes(b"there")
     spin = Spin(cpus=0)
     for _ in range(Spin.SAMPLE + 1):  # (two looks, SAMPLE waits apart: the looker alone is a crowd of 0 CPUs)

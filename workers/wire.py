@@ -137,7 +137,8 @@ class Spin:
       then crowded the next look too (4 callers on 2 slots: 9,000-17,000 calls/s from one
       run to the next; 14,900-17,000 with two looks).
       The engine's own other lent calls are not that something else: each one's caller and
-      worker poll too, and yield to each other each turn (`polling_peers`: not counted).
+      worker poll too, and yield to each other each turn; nor are its callers woken from a
+      group (`polling_peers`: not counted).
       Two threads calling one engine of 2 workers on 2 cores (4 runnable) made twice the
       calls/s once their workers polled for the next call too (docs/latency.md).
 
@@ -178,10 +179,12 @@ class Spin:
         return False
 
 
-def polling_peers(lent: int) -> int:
-    """The tasks that poll beside one lent call's caller and worker, while `lent` calls of
-    its engine are lent their slots: each other one's caller and worker."""
-    return 2 * max(lent - 1, 0)
+def polling_peers(lent: int, inside: int = 0) -> int:
+    """The engine's own tasks that may run beside one lent call's caller and worker, while
+    `lent` calls of it are lent their slots and `inside` of its callers are inside a call:
+    each other lent call's caller and worker, and each caller not lent (one woken from a
+    group, or joining one: it shares the looker's GIL and soon sleeps again)."""
+    return 2 * max(lent - 1, 0) + max(inside - lent, 0)
 
 
 def runnable() -> int:

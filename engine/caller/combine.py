@@ -115,6 +115,11 @@ class Combiner:
         self.groups = 0  # groups of callers whose task gave their outputs (stats for tests and bench.latency)
         self.combined = 0  # calls answered through those
 
+    def inside_now(self) -> int:
+        """Callers inside `call` now: a lent call's poll does not count them as the host's crowd
+        (workers.wire.polling_peers). A read without the lock: a count, maybe one off."""
+        return self.inside
+
     def forsake(self) -> None:
         """In a forked child: no lock of the parent's is taken (the engine refuses calls there)."""
         self.on = False

@@ -146,6 +146,7 @@ class FastPath:
         self._parks_seen = 0  # ... when the owner last went to sleep (`owner_timeout`)
         self.spin_s = co.cfg.spin_us / 1e6  # a lender polls its pipe this long before it sleeps,
         self.spin = Spin(usable_cpus())  # while that pays (workers.wire.Spin: one for the lenders of this engine)
+        self.inside: Callable[[], int] = lambda: 0  # the engine's callers inside a call now (its Combiner's)
         self._local = threading.local()
         if self.transport is not None:
             self.transport.attach(self.lock, self._ended)
@@ -306,7 +307,7 @@ class FastPath:
             if self.spin_s:  # (the answer mostly lands within it: no wake-up; see workers.wire.Spin.
                 # A group of callers' rows (engine.caller.combine) too: 3 and 4 callers made 1.3-1.7x
                 # the calls/s with its leader and worker polling, 8 or more the same)
-                self.spin.wait(lend.fd, self.spin_s, polling_peers(len(self.lent)))
+                self.spin.wait(lend.fd, self.spin_s, polling_peers(len(self.lent), self.inside()))
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got

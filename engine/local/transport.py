@@ -85,6 +85,7 @@ class LocalTransport:
         self.startup_bound = True
         self.can_lend = True
         self.spin_s = cfg.spin_us / 1e6  # a lent batch's worker polls this long for the next (RunBatch.spin)
+        self.inside: Callable[[], int] = lambda: 0  # the engine's callers inside a call now (RunBatch.peers)
         self._lock = OwnerLock()  # the owner's (attach): let go of around the wait
         self._lend_ended: Callable[[int], None] = _nothing
         self.workers = [Slot(i) for i in range(cfg.workers)]
@@ -119,7 +120,7 @@ class LocalTransport:
         specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
                                 t.deadline, t.step) for t in batch.tasks])
         spin = self.spin_s if w.lent else 0.0  # (a caller waits on it: a call alone's or a group's; never a block)
-        peers = polling_peers([x.lent for x in self.workers].count(True)) if spin else 0
+        peers = polling_peers([x.lent for x in self.workers].count(True), self.inside()) if spin else 0
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
                                    spin, peers))
