@@ -23,9 +23,10 @@
      call polls pipe k for up to spin_us before it sleeps, and its worker, after answering a
      lent batch (RunBatch.spin), polls for the next one: two wake-ups saved a call; neither
      polls while its polls run out, nor on a host with more tasks runnable than CPUs
-     (workers.wire.Spin; the engine's other lent calls, a caller and a worker each, are not
-     counted: RunBatch.peers; a crowd seen at two looks in a row), nor for a block (never lent;
-     a group of callers' task below polls as a call alone's does).
+     (workers.wire.Spin: a crowd seen at two looks in a row; the engine's own tasks, another
+     lent call's caller and worker, a caller not lent, are not counted: FastPath.peers, to
+     the worker RunBatch.peers), nor for a block (never lent; a group of callers' task below
+     polls as a call alone's does).
 
      express lane (engine.local.express): a call of plain inputs (infer, infer_async,
      submit_async) that finds a slot idle and nothing queued (a thread waits for the owner

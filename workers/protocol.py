@@ -138,7 +138,8 @@ class RunBatch(NamedTuple):
     # seconds to poll for the next batch after answering this one, before sleeping: a caller
     # waits on this answer alone (its slot lent on an idle engine; EngineConfig.spin_us)
     spin: float = 0.0
-    # the engine's tasks that poll too as it is sent (wire.polling_peers: other lent calls)
+    # the engine's own tasks that poll beside it as it is sent (other lent calls' callers and
+    # workers, callers not lent: wire.polling_peers), not counted as the host's crowd
     peers: int = 0
 
 

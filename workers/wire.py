@@ -131,16 +131,16 @@ class Spin:
       count of /proc/loadavg, which counts the looker too, looked at every SAMPLE waits), at
       two looks in a row: a poll then takes a core that something else, maybe the peer
       itself, waits for. Two engines each with a busy caller on 2 cores (4 runnable) were
-      10-20% slower polling. One look may catch a moment's crowd that is no one else's: the
-      callers a group's answer just woke, which share the looker's GIL and soon sleep again.
-      Stopping on such a look cost the next SAMPLE calls two wake-ups each, whose wakers
-      then crowded the next look too (4 callers on 2 slots: 9,000-17,000 calls/s from one
-      run to the next; 14,900-17,000 with two looks).
-      The engine's own other lent calls are not that something else: each one's caller and
-      worker poll too, and yield to each other each turn; nor are its callers woken from a
-      group (`polling_peers`: not counted).
-      Two threads calling one engine of 2 workers on 2 cores (4 runnable) made twice the
-      calls/s once their workers polled for the next call too (docs/latency.md).
+      10-20% slower polling.
+    - The engine's own tasks are not that something else (`peers`: `polling_peers`, not
+      counted): each other lent call's caller and worker, which poll too and yield to each
+      other each turn, and its callers not lent (woken from a group, or joining one), which
+      share the looker's GIL. Two threads calling one engine of 2 workers on 2 cores (4
+      runnable) made twice the calls/s once their workers polled for the next call too.
+    - One look may still catch a moment's crowd that is no one else's. Stopping on it cost
+      the next SAMPLE calls two wake-ups each, whose wakers crowded the next look too (4
+      callers on 2 slots: 9,000-17,000 calls/s from one run to the next; 14,900-17,000 with
+      two looks). docs/latency.md has the measurements.
 
     Counters only: a race between threads sharing one costs a spin more or less."""
 

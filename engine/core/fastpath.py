@@ -83,9 +83,10 @@ class LendingTransport(Protocol):
     def read_lent(self, slot: int) -> list[Event]:
         """The owner's read of a lent slot's pipe (one read), as events."""
 
-    def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
-        """The owner lock (let go of around the transport's wait), and whom to tell when the
-        transport itself ends a lend (a death, a kill, a Revoke, an outbox filling)."""
+    def attach(self, lock: OwnerLock, ended: Callable[[int], None], peers: Callable[[], int]) -> None:
+        """The owner lock (let go of around the transport's wait), whom to tell when the
+        transport itself ends a lend (a death, a kill, a Revoke, an outbox filling), and the
+        engine's tasks that poll beside a lent call now (RunBatch.peers: FastPath.peers)."""
 
 
 Step = Callable[["Lend", bool], Any]  # a lender's step under the owner lock (lend, readable) -> its value
@@ -149,7 +150,7 @@ class FastPath:
         self.inside: Callable[[], int] = lambda: 0  # the engine's callers inside a call now (its Combiner's)
         self._local = threading.local()
         if self.transport is not None:
-            self.transport.attach(self.lock, self._ended)
+            self.transport.attach(self.lock, self._ended, self.peers)
             co.dispatcher.before_send = self._before_send
 
     # -- step 2 -> 3-4 -----------------------------------------------------------------------------
@@ -307,7 +308,7 @@ class FastPath:
             if self.spin_s:  # (the answer mostly lands within it: no wake-up; see workers.wire.Spin.
                 # A group of callers' rows (engine.caller.combine) too: 3 and 4 callers made 1.3-1.7x
                 # the calls/s with its leader and worker polling, 8 or more the same)
-                self.spin.wait(lend.fd, self.spin_s, polling_peers(len(self.lent), self.inside()))
+                self.spin.wait(lend.fd, self.spin_s, self.peers())
             while not lend.over:
                 got = [fd for fd, _ in poller.poll(POLL_S * 1000.0)]
                 readable = lend.fd in got
@@ -328,6 +329,11 @@ class FastPath:
             elif lend.dup:
                 os.close(lend.fd)
         return got
+
+    def peers(self) -> int:
+        """The engine's own tasks that poll beside a lent call now, for its caller's poll and
+        (RunBatch.peers) its worker's: workers.wire.polling_peers."""
+        return polling_peers(len(self.lent), self.inside())
 
     def forsake_lend(self, lend: Lend) -> None:
         """Its lender will not wait on it (interrupted): the slot goes back to the owner

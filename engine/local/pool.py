@@ -119,7 +119,7 @@ class Engine(BaseEngine):
         self._queue.set_wake(self._sup.fast.on_wake)  # a caller may dispatch itself (core.fastpath)
         self._express = Express(self)
         self._combiner = Combiner(self.config, self._sup.dispatcher)
-        self._sup.fast.inside = self._transport.inside = self._combiner.inside_now  # (the polls' crowd: Spin)
+        self._sup.fast.inside = self._combiner.inside_now  # (the polls' crowd: FastPath.peers)
         self._owner = self._sup
         self._sup.start()
         self._sup.on_stopped = functools.partial(

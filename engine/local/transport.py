@@ -65,7 +65,6 @@ from slabpool.workers.protocol import (
     Ready as WorkerReady,
 )
 from slabpool.workers.session import SessionSpec
-from slabpool.workers.wire import polling_peers
 
 log = logging.getLogger("slabpool.engine")
 RETIRE_GRACE = 10.0  # seconds a retiring worker has to exit on its Shutdown before SIGKILL
@@ -85,7 +84,7 @@ class LocalTransport:
         self.startup_bound = True
         self.can_lend = True
         self.spin_s = cfg.spin_us / 1e6  # a lent batch's worker polls this long for the next (RunBatch.spin)
-        self.inside: Callable[[], int] = lambda: 0  # the engine's callers inside a call now (RunBatch.peers)
+        self._peers: Callable[[], int] = lambda: 0  # the engine's tasks polling beside a lent call (attach)
         self._lock = OwnerLock()  # the owner's (attach): let go of around the wait
         self._lend_ended: Callable[[int], None] = _nothing
         self.workers = [Slot(i) for i in range(cfg.workers)]
@@ -120,10 +119,9 @@ class LocalTransport:
         specs = tuple([TaskSpec(t.id, t.attempts, t.seed, t.inputs.packed, t.inputs.context, t.fault if fi else None,
                                 t.deadline, t.step) for t in batch.tasks])
         spin = self.spin_s if w.lent else 0.0  # (a caller waits on it: a call alone's or a group's; never a block)
-        peers = polling_peers([x.lent for x in self.workers].count(True), self.inside()) if spin else 0
         try:
             data = encode(RunBatch(batch.id, specs, batch.stack, out.offset if out else -1, out.nbytes if out else 0,
-                                   spin, peers))
+                                   spin, self._peers() if spin else 0))
         except Exception as exc:
             self.regions.release(sent)
             raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
@@ -215,8 +213,8 @@ class LocalTransport:
 
     # -- lending a slot (engine.core.fastpath.LendingTransport) -----------------------------------
 
-    def attach(self, lock: OwnerLock, ended: Callable[[int], None]) -> None:
-        self._lock, self._lend_ended = lock, ended
+    def attach(self, lock: OwnerLock, ended: Callable[[int], None], peers: Callable[[], int]) -> None:
+        self._lock, self._lend_ended, self._peers = lock, ended, peers
 
     def lend(self, slot: int, dup: bool = False) -> int | None:
         w = self.workers[slot]
