@@ -161,6 +161,7 @@ def test_cancel_with_kill_rebuilds_the_slot_and_replays_its_other_tasks(models, 
         pid = eng.stats().slots[0].pid
         hung = eng.submit(gate.item(0, seconds=3600))
         held = eng.submit(gate.item(1))  # sent ahead to the same slot
+        wait_until(lambda: eng.stats().queued == 0)  # ... once the owner has sent it: then it is replayed
         gate.open()
         wait_until(lambda: gate.ran() == [0])
         assert eng.cancel(hung, kill=True) is True
