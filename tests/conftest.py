@@ -166,3 +166,27 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 @pytest.fixture(params=["forkserver", "spawn"])
 def start_method(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def past_fd_setsize() -> Iterator[int]:
+    """This process holds files open up to past select()'s FD_SETSIZE (1024), as a server with
+    a thousand sockets does: every fd opened meanwhile (an engine's pipes) is numbered past it.
+    The lowest such number; all closed after, the limit on open files as it was."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1100
+    if hard != resource.RLIM_INFINITY and hard < 2 * want:
+        pytest.skip(f"open files are limited to {hard} here: no fd past {want} (the case needs one)")
+    if soft != resource.RLIM_INFINITY and soft < 2 * want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * want, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < want:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield held[-1] + 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -431,6 +431,46 @@ def test_a_worker_killed_while_it_polls_for_the_next_call_costs_no_call(models):
     assert (st.accepted, st.completed, st.failed, st.replayed, st.restarts) == (3, 3, 0, 0, 1)
 
 
+def test_an_engine_in_a_process_holding_a_thousand_files_open(models, tmp_path, past_fd_setsize):
+    """A process with a thousand files or sockets open (a server's): the engine's pipes are
+    numbered past select()'s FD_SETSIZE. Lent calls (their callers spin on those pipes), one
+    whose worker dies in its run, 8 threads' calls (in groups) and infer_async all get their
+    own rows' outputs, the death read to its end; the books balance. (select() raised
+    ValueError into every lent call there.)"""
+    want = ort_run(models.mlp, {"x": ROWS})["probs"]
+    with Engine(models.mlp, workers=2, initializer=HOOK, initargs=(str(tmp_path),)) as eng:
+        assert min(w.conn.fileno() for w in eng._transport.workers) >= past_fd_setsize
+        first = eng.infer(_row(0))["probs"]
+        died, tries = _marked_express_call(eng, H.KILL, lambda x: eng.infer(x)["probs"])
+        _until(lambda: all(s.state.name == "READY" for s in eng._owner.slots), "the slot rebuilt")  # type: ignore[attr-defined]
+        got: dict[int, np.ndarray] = {}
+
+        def caller(k: int) -> None:
+            for j in range(10):
+                got[k * 10 + j] = eng.infer(_row((k * 10 + j) % len(ROWS)))["probs"]
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        loop = asyncio.new_event_loop()
+        try:
+            aio = [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(6)]
+        finally:
+            loop.close()
+        lends = _fast(eng).lends
+        st = eng.stats()
+    assert first.tobytes() == want[:1].tobytes()
+    assert died.tobytes() == ort_run(models.mlp, {"x": _row(1, H.KILL, tries - 1)})["probs"].tobytes()
+    assert len(got) == 80 and all(g.tobytes() == want[i % len(ROWS)][None].tobytes() for i, g in got.items())
+    assert all(a.tobytes() == want[i : i + 1].tobytes() for i, a in enumerate(aio))
+    assert lends >= 1 + tries
+    calls = 1 + tries + 80 + 6
+    assert st.items_accepted == st.items_completed == calls
+    assert (st.failed, st.replayed, st.restarts) == (0, tries, tries) and st.shm_inputs_used == 0
+
+
 # -- infer_async: the same lane, lent to the event loop ---------------------------------------------
 
 

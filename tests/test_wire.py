@@ -92,6 +92,43 @@ def test_spinning_catches_a_frame_written_while_it_polls(pipe) -> None:  # type:
     assert not reader.poll() and reader.spin.caught == 2  # (each recv(spin) polled, and caught its frame)
 
 
+def test_a_pipe_numbered_past_fd_setsize_is_polled_spun_on_and_read(past_fd_setsize) -> None:  # type: ignore[no-untyped-def]
+    """A slot's pipe in a process holding a thousand files open is numbered past select()'s
+    FD_SETSIZE: poll(), the spin, recv() and a dead writer's last frames work there (select()
+    raised ValueError: every infer() of such a process failed)."""
+    reader_end, writer_end = multiprocessing.Pipe(duplex=False)
+    fd = os.dup(reader_end.fileno())
+    reader_end.close()
+    assert fd >= 1024
+    try:
+        reader = FrameReader(fd)
+        reader.spin.cpus = 1 << 20  # (never crowded: recv(spin) polls)
+        assert not reader.poll() and not spin_until(fd, time.perf_counter() + 0.001)
+        writer_end.send_bytes(b"past")
+        assert spin_until(fd, time.perf_counter() + 30.0)  # (a deadlock guard, not a timing)
+        assert reader.recv(spin=0.5) == b"past" and reader.spin.caught == 1
+        writer_end.send_bytes(b"last")
+        writer_end.close()
+        assert reader.read_to_end() == [b"last"]
+    finally:
+        os.close(fd)
+        if not writer_end.closed:
+            writer_end.close()
+
+
+def test_a_spin_on_a_pipe_closed_meanwhile_ends_at_once_for_a_look() -> None:
+    """A lender spins on its slot's pipe without the owner lock; the owner closes that pipe at
+    the worker's death. The spin ends at once (True: look), and the lender finds its lend over
+    under the lock (select() raised EBADF into the caller's infer())."""
+    reader_end, writer_end = multiprocessing.Pipe(duplex=False)
+    fd = reader_end.fileno()
+    reader_end.close()
+    try:
+        assert spin_until(fd, time.perf_counter() + 30.0)  # (a deadlock guard, not a timing)
+    finally:
+        writer_end.close()
+
+
 def test_spinning_stops_while_it_does_not_pay_and_resumes_when_it_does(pipe) -> None:  # type: ignore[no-untyped-def]
     """Spin: after k misses in a row the next 2**k - 1 waits sleep at once (k up to 6: a
     sparse caller pays a spin about once in 64 calls); one catch and it spins each time again."""

@@ -34,6 +34,7 @@ class FrameReader:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd  # blocking on the worker's side; the supervisor's end does not block
+        self._poll = _poller(fd).poll  # (poll(0): is a read due? `_poller` says why not select)
         self._buf = bytearray()
         self._frames: list[bytes] = []  # complete frames not yet handed out by recv()
         self.spin = Spin()  # recv(spin)'s
@@ -59,7 +60,7 @@ class FrameReader:
     def read_to_end(self) -> list[bytes]:
         """Every frame that can be read without blocking (the writer may be dead)."""
         frames: list[bytes] = []
-        while _readable(self.fd):
+        while self._poll(0):
             try:
                 frames += self.read()
             except EOFError:
@@ -78,7 +79,7 @@ class FrameReader:
 
     def poll(self) -> bool:
         """A frame is ready for recv() without waiting."""
-        while not self._frames and select.select([self.fd], [], [], 0)[0]:  # (_readable, inline)
+        while not self._frames and self._poll(0):
             self._frames = self.read()
         return bool(self._frames)
 
@@ -101,6 +102,9 @@ class FrameReader:
 
 def spin_until(fd: int, end: float) -> bool:
     """Poll `fd` without sleeping until it is readable (True) or perf_counter() passes `end`.
+    True too once the other end is closed, or `fd` itself is: a lender's pipe closed by the
+    owner at a worker's death while it spins; it then looks under the owner lock and finds its
+    lend over (select() raised EBADF there, into the caller's infer()).
 
     A process woken from a sleep in read() or poll() by a pipe write costs ~35 us on the 2-core
     VM (one wake-up; bench.latency's floor); an idle call pays two, the worker's for the task
@@ -111,9 +115,8 @@ def spin_until(fd: int, end: float) -> bool:
     to a task waiting for it: with more processes runnable than cores (several engines busy on
     2 cores, measured) a bare poll took the core its own peer was waiting for, and cost 10-20%
     of their calls/s; yielding made it even or better."""
-    poll, clock, pause = select.select, time.perf_counter, os.sched_yield
-    fds = [fd]
-    while not poll(fds, (), (), 0)[0]:
+    poll, clock, pause = _poller(fd).poll, time.perf_counter, os.sched_yield
+    while not poll(0):
         if clock() >= end:
             return False
         pause()
@@ -201,5 +204,10 @@ def runnable() -> int:
         return 0
 
 
-def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
+def _poller(fd: int) -> select.poll:
+    """A poll object for `fd`'s input. Not select(): it refuses an fd past FD_SETSIZE (1024),
+    which a slot's pipe is in a process holding a thousand files or sockets open (every
+    infer() raised ValueError there); poll() takes any fd, and says POLLNVAL for a closed one."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller
