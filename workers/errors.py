@@ -215,6 +215,26 @@ def from_remote(err: RemoteError, task_id: int) -> EngineError:
     return exc
 
 
+def unstartable(slot: int, exc: OSError) -> SessionInitError:
+    """A worker process the OS would not start, in words that name the limit behind it."""
+    import errno  # (the supervisor's only: a worker never imports these)
+    import resource
+
+    why = ""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        which = "this process" if exc.errno == errno.EMFILE else "the host"
+        why = (f": {which} is out of file descriptors (this process may hold {limit} open files: "
+               "RLIMIT_NOFILE, `ulimit -n`; each worker takes a few). Raise the limit, or close files")
+    elif exc.errno == errno.EAGAIN:
+        why = ": the OS refused a new process (RLIMIT_NPROC, `ulimit -u`, or the container's pids limit)"
+    elif exc.errno == errno.ENOMEM:
+        why = ": the host is out of memory for a new process"
+    what = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)  # (not the file it opened)
+    return SessionInitError(f"slot {slot}'s worker process could not be started ({what}){why}")
+
+
 def describe_exit(exitcode: int | None) -> str:
     """`SIGKILL(-9)`, `SIGSEGV(-11)`, `exit(3)`; '' while still running."""
     if exitcode is None:

@@ -111,7 +111,7 @@ class Coordinator:
         is stopped, and nothing is left."""
         try:
             for slot in self.slots:
-                self.spawn(slot)
+                self.spawn(slot, retry=False)
             self._wait_quorum(time.monotonic() + self.cfg.startup_timeout)
         except BaseException:
             self.transport.abort()
@@ -134,11 +134,26 @@ class Coordinator:
             if self.ledger.failure is not None:
                 raise self.ledger.failure
 
-    def spawn(self, slot: SlotRecord) -> None:
-        """A new incarnation of the slot, on its spec (the crash path's b; a reload's swap)."""
+    def spawn(self, slot: SlotRecord, retry: bool = True) -> None:
+        """A new incarnation of the slot, on its spec (the crash path's b; a reload's swap).
+
+        A worker process the OS refuses (OSError: this process out of file descriptors, the
+        host out of processes or memory; a server near its limit on open files when a worker
+        dies) is a start-up that failed, retried after the back-off as one whose worker died
+        starting: the other slots serve on meanwhile. At the engine's own start (`retry`
+        False) it raises, as SessionInitError naming the limit."""
         bound = time.monotonic() + self.cfg.startup_timeout if self.transport.startup_bound else None
         slot.started(slot.spec, bound)
-        slot.pid = self.transport.start(slot.index, slot.spec) or slot.pid
+        try:
+            slot.pid = self.transport.start(slot.index, slot.spec) or slot.pid
+        except OSError as exc:
+            slot.fire(SlotEvent.DIE)
+            error = E.unstartable(slot.index, exc)
+            if not retry:
+                raise error from exc
+            if self.reload is not None and self.reload.on_start_failed(self, slot, error, False):
+                return
+            self._on_startup_death(slot, error)
 
     def kill(self, slot: SlotRecord, reason: KillReason, grace: float) -> None:
         """Stop a slot's worker with a reason (its death then charges no task, but TIMEOUT's)."""

@@ -29,6 +29,24 @@ from slabpool.workers.main import SealedBoot, WorkerBoot, main
 from slabpool.workers.protocol import Shutdown, encode
 from slabpool.workers.wire import FrameReader, head
 
+SPAWN_FDS = 8  # file descriptors a worker's start holds at once: its pipe, and multiprocessing's
+# socket and two pipes to the forkserver (or the spawned child's)
+
+
+def _fds_free(n: int) -> None:
+    """OSError (EMFILE) now if this process cannot open `n` more file descriptors: before a
+    start, not midway through the forkserver's handshake. There a client that runs out of them
+    (its os.pipe() after the connect) kills CPython's forkserver (an EOFError it does not catch,
+    3.11), and every worker it started then reads as dead (exit 255): one slot's rebuild in a
+    process at its limit on open files would take every slot down."""
+    held: list[int] = []
+    try:
+        for _ in range(n):
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    finally:
+        for fd in held:
+            os.close(fd)
+
 
 class Slot:
     """The process side of one slot (its state and tasks are the owner's, engine.core.slots)."""
@@ -53,6 +71,9 @@ class Slot:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def spawn(self, ctx: BaseContext, boot: WorkerBoot, in_fd: int, out_fd: int) -> None:
+        """A new incarnation of this slot's worker. OSError if the OS refuses it (out of file
+        descriptors: EMFILE at once, see `_fds_free`), nothing kept of it."""
+        _fds_free(SPAWN_FDS)
         parent, child = ctx.Pipe(duplex=True)
         self.incarnation += 1
         proc = ctx.Process(  # type: ignore[attr-defined]
@@ -61,7 +82,12 @@ class Slot:
             name=f"{WORKER_NAME}{self.index}",  # how a forked child tells them (local.forks)
             daemon=True,
         )
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:  # (the OS refused the process: EMFILE, EAGAIN; its pipe is not kept)
+            parent.close()
+            child.close()
+            raise
         child.close()
         os.set_blocking(parent.fileno(), False)
         self.process, self.conn, self.pid, self.fd = proc, parent, proc.pid or 0, parent.fileno()
