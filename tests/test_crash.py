@@ -407,3 +407,36 @@ def test_an_internal_bug_mid_completion_fails_every_task_it_held(models, backend
             sup.call(bug).result(timeout=30)
         with pytest.raises(EngineInternalError, match="a bug in the supervisor"):
             hung.result(timeout=60)
+
+
+def test_a_failed_engine_tells_its_callers_before_it_stops_its_workers(models, monkeypatch):
+    """The engine fails (a bug on the supervisor thread) while a worker hangs, and that
+    worker's death is slow to come (an actor's on Ray, a process in the kernel's hands; here
+    the failure's SIGKILL left out and the graces 600 s): the callers get the error at once,
+    while it is still alive, not after the stop path has waited for it."""
+    from slabpool.engine.core import coordinator, stopping
+    from slabpool.engine.local import transport
+    from slabpool.workers.errors import EngineInternalError
+
+    monkeypatch.setattr(stopping, "SHUTDOWN_GRACE", 600.0)
+    monkeypatch.setattr(transport, "RETIRE_GRACE", 600.0)
+    with build("local", None, workers=1, preprocess="tests.fault_hooks:pre") as eng:
+        hung = eng.submit({"x": np.ones(3), "fault": "hang"})
+        queued = eng.submit({"x": np.ones(3)})
+        sup = eng._owner
+        deadline = time.monotonic() + 60  # only a deadlock reaches it
+        while not any(s.batches for s in sup.slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = eng.stats().slots[0].pid
+        monkeypatch.setattr(coordinator.Coordinator, "kill", lambda *a: None)  # (its death: slow to come)
+
+        def bug() -> None:
+            raise RuntimeError("a bug in the supervisor")
+
+        with pytest.raises(RuntimeError, match="a bug in the supervisor"):
+            sup.call(bug).result(timeout=30)
+        for fut in (hung, queued):
+            with pytest.raises(EngineInternalError, match="a bug in the supervisor"):
+                fut.result(timeout=60)
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # still alive: told first
+        os.kill(pid, signal.SIGKILL)  # (the stop path's wait ends with its death)

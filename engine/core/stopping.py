@@ -36,10 +36,12 @@ _REAP_S = 30.0  # after SIGKILL: how long to wait for the deaths (only a stuck k
 def stop(co: Coordinator) -> None:
     """After the loop: stop every worker, end what is left, let the backend's resources go.
     No step can stop the others (an engine that failed of a MemoryError meets it again
-    here): each is contained, and every Future ends whatever happened before."""
+    here): each is contained, and every Future ends whatever happened before. What has
+    ended already (every task, when the engine failed) is told to its callers first, not
+    after the workers' stop (a hung worker's grace: seconds)."""
     steps: tuple[Callable[[], None], ...] = (
-        partial(_abort_reload, co), partial(_shutdown_slots, co), partial(_end_the_rest, co), co.ledger.flush,
-        co.transport.close, co.on_stopped)
+        partial(_abort_reload, co), co.ledger.flush, partial(_shutdown_slots, co), partial(_end_the_rest, co),
+        co.ledger.flush, co.transport.close, co.on_stopped)
     for step in steps:
         try:
             step()
