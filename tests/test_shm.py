@@ -164,3 +164,55 @@ def test_private_copies_are_owned_and_large_ones_ask_for_ordinary_pages(nbytes):
     assert got.tobytes() == view.tobytes() and got.flags.owndata and got.flags.writeable and got.flags.c_contiguous
     if nbytes >= HUGE:  # MADV_NOHUGEPAGE shows as "nh" on the mapping that holds it
         assert "nh" in _vm_flags(got.ctypes.data + got.nbytes // 2)
+
+
+_RUNS_OUT = """
+import os
+import numpy as np
+from slabpool import Engine
+from slabpool.workers.errors import ShmCapacityError
+
+def main():
+    with Engine(None, workers=1, preprocess="tests.fault_hooks:pre", shm_capacity=16 << 20,
+                shm_backend="posix") as eng:
+        assert list(eng.submit({"x": np.ones(3)}).result(60).outputs) == ["y"]
+        free = os.statvfs("/dev/shm")
+        with open("/dev/shm/filler", "wb") as f:  # another program takes all but 1 MiB
+            os.posix_fallocate(f.fileno(), 0, free.f_bavail * free.f_frsize - (1 << 20))
+        try:
+            eng.submit({"x": np.ones(3), "fault": "big", "nbytes": 12 << 20}).result(60)
+            raise SystemExit("12 MiB of outputs: no error")
+        except ShmCapacityError as exc:
+            assert "could not be backed" in str(exc) and "No space left" in str(exc), exc
+        try:
+            eng.submit({"x": np.ones(1536 << 10)})
+            raise SystemExit("12 MiB of inputs: no error")
+        except ShmCapacityError as exc:
+            assert "in arena" in str(exc) and "No space left" in str(exc), exc
+        assert list(eng.submit({"x": np.ones(3)}).result(60).outputs) == ["y"]
+        st = eng.stats()
+        assert (st.state, st.accepted, st.completed, st.failed) == ("ACCEPTING", 3, 2, 1), st
+        os.unlink("/dev/shm/filler")
+    print("served on")
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_shared_memory_that_runs_out_after_the_start_fails_the_task_not_the_engine(tmp_path):
+    """/dev/shm fills up (another program) after the engine started, so an arena cannot grow
+    past what it has backed: a task whose outputs need more fails with ShmCapacityError, and
+    so does a submit whose inputs need more; the engine serves on. (The output arena's
+    failure went up the owner thread and stopped the engine; the input's was the shm package's
+    own CapacityError.) In a mount namespace with a /dev/shm of 40 MiB of its own."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (unshare -m, as root) for a small /dev/shm")
+    script = tmp_path / "runs_out.py"
+    script.write_text(_RUNS_OUT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    got = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=40m tmpfs /dev/shm && exec "{sys.executable}" "{script}"'],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)  # (a deadlock guard)
+    assert got.returncode == 0 and "served on" in got.stdout, got.stderr[-4000:]

@@ -49,6 +49,7 @@ from slabpool.engine.core.states import SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task
 from slabpool.engine.local.staged import Staged
 from slabpool.shm.alloc import align_up
+from slabpool.shm.errors import CapacityError
 from slabpool.workers import contract, packing
 from slabpool.workers.protocol import BatchDone, FlatSkeleton, decode
 
@@ -188,7 +189,10 @@ class Express:
                 return None
             skeleton, offsets, nbytes = lay
             arena = self.arena
-            lease = arena.try_lease(nbytes)
+            try:
+                lease = arena.try_lease(nbytes)
+            except CapacityError:  # (it could not grow: the general path says so, ShmCapacityError)
+                return None
             if lease is None:
                 return None
             try:

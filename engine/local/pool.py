@@ -161,6 +161,8 @@ class Engine(BaseEngine):
                     lease = self._inputs.lease(nbytes, timeout=left)
                 except TimeoutError:
                     raise E.QueueFull(f"no {nbytes} bytes of shared memory free after {block_timeout} s") from None
+                except CapacityError as exc:  # (it could not grow: the host's shared memory ran out since)
+                    raise E.ShmCapacityError(str(exc), needed=exc.needed, available=exc.available) from None
             t0 = time.perf_counter()
             packed = packing.write(skeleton, arrays, lease.offset if lease else 0, self._inputs.array, offsets)
             copy_s = time.perf_counter() - t0

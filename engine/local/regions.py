@@ -4,7 +4,8 @@ A batch is sent with a region sized like the outputs of the last batch of the sa
 (`lease_predicted`), so the worker rarely has to ask. When it does ask (NeedOutput, step 7),
 `on_need` decides: a region of that size, a wait for space, a split (a batch of several tasks
 needing more than half the arena goes back to the queue in halves, uncharged), or a refusal
-(one task's outputs larger than the whole arena: ShmCapacityError). Sizes seen per task and
+(one task's outputs larger than the whole arena, or an arena that cannot grow to hold them:
+ShmCapacityError). Sizes seen per task and
 per item are learnt, so later groups and stacked batches are sized to fit from the start
 (engine.core.dispatch.take_limits).
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from slabpool.engine.core.task import Batch
-from slabpool.shm import Arena, Lease
+from slabpool.shm import Arena, CapacityError, Lease
 from slabpool.shm.alloc import align_up
 from slabpool.workers.protocol import SPLIT, OutputGrant
 
@@ -66,7 +67,10 @@ class OutputRegions:
             return None
         if ahead and self.arena.used + want > self.arena.capacity // 2:
             return None
-        lease = self.arena.try_lease(want)
+        try:
+            lease = self.arena.try_lease(want)
+        except CapacityError:  # (the arena cannot grow now: the worker asks, and on_need answers)
+            return None
         sent.out_lease = lease
         return lease
 
@@ -84,12 +88,24 @@ class OutputRegions:
             return OutputGrant(batch.id, -1, self.max_region, (
                 f"its outputs take {nbytes} bytes, more than the output arena can ever hold "
                 f"({self.max_region} bytes; shm_capacity={self.arena.capacity}); raise shm_capacity"))
-        lease = self.arena.try_lease(nbytes)
+        try:
+            lease = self.arena.try_lease(nbytes)
+        except CapacityError as exc:
+            return self._refused(batch, exc)
         if lease is None:  # full: the grant waits for the next release (no lease is held here)
             sent.out_wanted = nbytes
             return None
         sent.out_lease = lease
         return OutputGrant(batch.id, lease.offset, lease.nbytes)
+
+    def _refused(self, batch: Batch, exc: CapacityError) -> OutputGrant:
+        """The arena could not grow to hold the region (the host's shared memory ran out after
+        the engine started: /dev/shm filled by others, a memory limit): several tasks go again
+        apart (each may fit what is backed already), one fails with ShmCapacityError saying so.
+        The engine serves on; it stopped here before (the error went up the owner's send)."""
+        if len(batch.tasks) > 1:
+            return OutputGrant(batch.id, -1, 0, SPLIT)
+        return OutputGrant(batch.id, -1, 0, f"its outputs' region could not be backed: {exc}")
 
     def grant_waiting(self, held: list[tuple[T, Sent]]) -> list[tuple[T, OutputGrant]]:
         """Regions for the batches (each with its slot) that asked while the arena was full,
@@ -97,7 +113,12 @@ class OutputRegions:
         grants = []
         for slot, b in held:
             if b.out_wanted and b.out_lease is None:
-                lease = self.arena.try_lease(b.out_wanted)
+                try:
+                    lease = self.arena.try_lease(b.out_wanted)
+                except CapacityError as exc:
+                    b.out_wanted = 0
+                    grants.append((slot, self._refused(b.batch, exc)))
+                    continue
                 if lease is None:
                     break
                 b.out_lease, b.out_wanted = lease, 0
