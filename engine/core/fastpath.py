@@ -299,7 +299,10 @@ class FastPath:
         got = None
         try:
             interrupts.leave()
-            waker = thread_wake()
+            try:
+                waker = thread_wake()
+            except OSError:  # (no eventfd: this process is out of file descriptors, a server at
+                return got  # its limit) the lend goes back, the owner reads the answer: the Future's
             lend.wake = waker.wake
             wake_fd = waker.fd
             poller = select.poll()

@@ -22,7 +22,8 @@ class WakeFd:
             pass  # (closed: its thread has ended, nobody waits)
 
     def __del__(self) -> None:
-        os.close(self.fd)
+        if hasattr(self, "fd"):  # (none if the eventfd could not be made: out of file descriptors)
+            os.close(self.fd)
 
 
 _THREAD = threading.local()

@@ -220,9 +220,15 @@ class LocalTransport:
         w = self.workers[slot]
         if w.conn is None or w.outbox or w.lent:
             return None
+        fd = w.fd
+        if dup:
+            try:
+                fd = os.dup(w.fd)
+            except OSError:  # (this process out of file descriptors, a server at its limit: the
+                return None  # call goes unlent, the owner's way; raised here, it stopped the engine)
         w.lent = True
         self.selector.lend(w)
-        return os.dup(w.fd) if dup else w.fd
+        return fd
 
     def give_back(self, slot: int, park: bool = False) -> None:
         w = self.workers[slot]
