@@ -4,6 +4,7 @@ test (no child process, no slabpool shared memory)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -190,3 +191,29 @@ def past_fd_setsize() -> Iterator[int]:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
+def _out_of_file_descriptors(spare: int) -> Iterator[None]:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + spare, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def out_of_fds() -> object:
+    """`with out_of_fds(spare):` this process at its limit on open files while the block runs
+    (a server's at too many connections): the soft limit lowered to what is open plus `spare`,
+    every one of those taken; all given back after, the limit as it was."""
+    return _out_of_file_descriptors

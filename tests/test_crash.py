@@ -188,14 +188,15 @@ def test_repeated_start_up_deaths_fail_the_engine_with_a_clear_error(models):
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_a_rebuild_in_a_process_out_of_file_descriptors_is_retried_and_the_other_slot_serves(models, method, caplog):
+def test_a_rebuild_in_a_process_out_of_file_descriptors_is_retried_and_the_other_slot_serves(
+    models, method, caplog, out_of_fds
+):
     """A server at its limit on open files when a worker dies: its slot's new process cannot
     be made (EMFILE). That start fails alone, named, and is retried after the back-off; the
     other slot (the same process: not taken down with it) serves every call meanwhile; once
     files are closed the slot comes back. (The OSError stopped the whole engine from the owner
     thread; through the forkserver, a start that failed midway killed it, and every worker
     it had started read as dead.)"""
-    import resource
 
     def until(cond, what: str) -> None:
         deadline = time.monotonic() + 60  # (a deadlock guard: the back-off is at most 5 s)
@@ -204,26 +205,16 @@ def test_a_rebuild_in_a_process_out_of_file_descriptors_is_retried_and_the_other
             time.sleep(0.01)
 
     want = ort_run(models.mlp, {"x": X})["probs"].tobytes()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with caplog.at_level("WARNING", logger="slabpool.engine"), \
             Engine(models.mlp, workers=2, start_method=method) as eng:
         assert eng.infer(X)["probs"].tobytes() == want
         pids = [s.pid for s in eng.stats().slots]
         slots = eng._owner.slots  # (no stats() while out of files: it reads /proc)
-        held: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
-            with contextlib.suppress(OSError):
-                while True:
-                    held.append(os.open(os.devnull, os.O_RDONLY))
+        with out_of_fds(32):
             os.kill(pids[0], signal.SIGKILL)
             until(lambda: "could not be started" in caplog.text, "the rebuild refused")
             served = [eng.infer(X)["probs"].tobytes() for _ in range(20)]
             assert slots[0].state.name == "DEAD" and slots[1].state.name in ("READY", "BUSY")
-        finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         until(lambda: all(s.state.name == "READY" for s in slots), "slot 0 back")
         after = eng.infer(X)["probs"].tobytes()
         st = eng.stats()

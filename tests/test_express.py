@@ -14,7 +14,6 @@ signals; the waits only catch deadlocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import threading
 from typing import Any
@@ -472,37 +471,26 @@ def test_an_engine_in_a_process_holding_a_thousand_files_open(models, tmp_path, 
     assert (st.failed, st.replayed, st.restarts) == (0, tries, tries) and st.shm_inputs_used == 0
 
 
-def test_calls_in_a_process_out_of_file_descriptors_are_answered_unlent(models):
+def test_calls_in_a_process_out_of_file_descriptors_are_answered_unlent(models, out_of_fds):
     """A server at its limit on open files: a lend needs one more (a new thread's eventfd, an
     event loop's dup of the pipe). Without it the call is not lent and is answered the
     owner's way: new threads' calls, an event loop's and an old thread's all get their rows'
     outputs, and the engine serves on. (The loop's dup raised under the owner lock and stopped
     the engine; a new thread's call raised OSError.)"""
-    import os
-    import resource
-
     want = ort_run(models.mlp, {"x": ROWS})["probs"]
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with Engine(models.mlp, workers=2) as eng:
         loop = asyncio.new_event_loop()
         got: list[Any] = [eng.infer(_row(0))["probs"], loop.run_until_complete(eng.infer_async(_row(1)))["probs"]]
-        held: list[int] = []
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
-            with contextlib.suppress(OSError):
-                while True:
-                    held.append(os.open(os.devnull, os.O_RDONLY))
-            for k in range(3):
-                t, out = _in_thread(lambda k=k: [eng.infer(_row(2 + 3 * k + j))["probs"] for j in range(3)])
-                t.join(60)
-                assert not isinstance(out[0], BaseException), out[0]
-                got += out[0]
-            got += [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(11, 14)]
-            got += [eng.infer(_row(i))["probs"] for i in range(14, 17)]
+            with out_of_fds(16):
+                for k in range(3):
+                    t, out = _in_thread(lambda k=k: [eng.infer(_row(2 + 3 * k + j))["probs"] for j in range(3)])
+                    t.join(60)
+                    assert not isinstance(out[0], BaseException), out[0]
+                    got += out[0]
+                got += [loop.run_until_complete(eng.infer_async(_row(i)))["probs"] for i in range(11, 14)]
+                got += [eng.infer(_row(i))["probs"] for i in range(14, 17)]
         finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             loop.close()
         got.append(eng.infer(_row(17))["probs"])
         st = eng.stats()
