@@ -60,7 +60,9 @@
        a  the transport reaps the process before any lease it held is reused, and says
           Died (exit code, the task in hand); slot k -> DEAD
        b  slot k alone is rebuilt: STARTING -> READY after the new worker's Ready; it loads
-          the model version pinned at start (workers.weights), whatever the file is now
+          the model version pinned at start (workers.weights), whatever the file is now; a
+          start that fails (its worker dies starting, or the OS refuses the process: out of
+          file descriptors) is retried after a back-off while the other slots serve
        c  its tasks replay in acceptance order, attempt + 1 (a stacked batch keeps its
           composition: a replay is byte-identical; groups of tiny tasks are cut anew)
        d  only what was running is charged: the task named by the slot's status word in
@@ -73,7 +75,8 @@
          data does not cross fails alone (TaskDataError)
        - outputs of a group or a stacked batch too large for one region: the worker is told
          to split (OutputGrant SPLIT), its tasks go back uncharged; sizes are learnt, later
-         groups fit; ShmCapacityError only for outputs larger than the whole arena
+         groups fit; ShmCapacityError only for outputs larger than the whole arena, or than
+         it can still back (shared memory that ran out after the start)
        - task_timeout counts the task in hand (status word 1, written by the worker), never a
          group's total; a slot with no progress for stall_after gets no more work and what
          was sent ahead to it (its current batch too, if it took no task of it) is revoked

@@ -169,6 +169,27 @@ def start_method(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@contextlib.contextmanager
+def _files_held(limit: int, upto: int | None = None) -> Iterator[int]:
+    """Files held open (/dev/null) under a soft limit on open files of `limit`: up to fd number
+    `upto`, or (None) every one the limit allows. Yields the next fd number; all closed after,
+    the limit as it was."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        with contextlib.suppress(OSError):
+            while upto is None or not held or held[-1] < upto:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        yield held[-1] + 1 if held else 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.fixture
 def past_fd_setsize() -> Iterator[int]:
     """This process holds files open up to past select()'s FD_SETSIZE (1024), as a server with
@@ -180,35 +201,9 @@ def past_fd_setsize() -> Iterator[int]:
     want = 1100
     if hard != resource.RLIM_INFINITY and hard < 2 * want:
         pytest.skip(f"open files are limited to {hard} here: no fd past {want} (the case needs one)")
-    if soft != resource.RLIM_INFINITY and soft < 2 * want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * want, hard))
-    held: list[int] = []
-    try:
-        while not held or held[-1] < want:
-            held.append(os.open(os.devnull, os.O_RDONLY))
-        yield held[-1] + 1
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@contextlib.contextmanager
-def _out_of_file_descriptors(spare: int) -> Iterator[None]:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    held: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + spare, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(os.open(os.devnull, os.O_RDONLY))
-        yield
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    limit = soft if soft == resource.RLIM_INFINITY else max(soft, 2 * want)
+    with _files_held(limit, upto=want) as next_fd:
+        yield next_fd
 
 
 @pytest.fixture
@@ -216,4 +211,4 @@ def out_of_fds() -> object:
     """`with out_of_fds(spare):` this process at its limit on open files while the block runs
     (a server's at too many connections): the soft limit lowered to what is open plus `spare`,
     every one of those taken; all given back after, the limit as it was."""
-    return _out_of_file_descriptors
+    return lambda spare: _files_held(len(os.listdir("/proc/self/fd")) + spare)

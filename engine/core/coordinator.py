@@ -151,9 +151,7 @@ class Coordinator:
             error = E.unstartable(slot.index, exc)
             if not retry:
                 raise error from exc
-            if self.reload is not None and self.reload.on_start_failed(self, slot, error, False):
-                return
-            self._on_startup_death(slot, error)
+            self._start_failed(slot, error, reported=False)
 
     def kill(self, slot: SlotRecord, reason: KillReason, grace: float) -> None:
         """Stop a slot's worker with a reason (its death then charges no task, but TIMEOUT's)."""
@@ -247,10 +245,7 @@ class Coordinator:
         slot.batches.clear()
         slot.fire(SlotEvent.DIE)
         if was_starting and expected in (None, KillReason.STARTUP_FAILED):
-            error = self._startup_error(slot, ev, expected)
-            if self.reload is not None and self.reload.on_start_failed(self, slot, error, ev.reported):
-                return
-            self._on_startup_death(slot, error)
+            self._start_failed(slot, self._startup_error(slot, ev, expected), ev.reported)
             return
         self._log_death(slot, ev, expected, held)
         replays = self._settle(held, expected, Crash(slot.index, ev.pid, ev.exitcode), ev.running)
@@ -294,6 +289,13 @@ class Coordinator:
                 f"slot {slot.index} (pid {ev.pid}) was not ready within startup_timeout="
                 f"{self.cfg.startup_timeout} s (its initializer or session build did not finish); it was killed")
         return ev.startup_error or E.SessionInitError(f"slot {slot.index} died during start-up: {ev.cause}")
+
+    def _start_failed(self, slot: SlotRecord, error: E.SessionInitError, reported: bool) -> None:
+        """A start that failed (its worker died starting, or the OS refused it): a reload's
+        to handle if it started it, else retried after the back-off."""
+        if self.reload is not None and self.reload.on_start_failed(self, slot, error, reported):
+            return
+        self._on_startup_death(slot, error)
 
     def _on_startup_death(self, slot: SlotRecord, error: E.SessionInitError) -> None:
         """A start-up that died: retried after a back-off (0.1 s, doubling, at most 5 s). After
