@@ -3,7 +3,8 @@
 Tiny items go many to a task (a chunk: one outcome per item), the chunk size following the
 measured run time per item and the bytes an item takes in and out (`_Pace`); an item refused at
 the door or failing in the worker is that item's outcome alone; a chunk that kills workers, or
-whose outputs cannot fit the output arena together, runs again item by item.
+whose outputs cannot fit the output arena together, runs again item by item. An iterable that
+raises ends map() as the builtin map() ends: the outcomes of every item it gave, then its error.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def parts(
     in_flight = 0
     start = 0  # the index of the next item taken from `items`
     it = iter(items)
+    broke: Exception | None = None  # what `items` raised: after the outcomes of the items before it
     try:
-        while True:
+        while broke is None:
             if auto:
                 size = pace.chunk(window, eng.config.workers)
             limit = window or max(base, 4 * eng.config.workers * size)
-            group = list(itertools.islice(it, size))
+            group: list[Any] = []
+            try:  # (extend keeps what it took before the iterable raised: those items still run)
+                group.extend(itertools.islice(it, size))
+            except Exception as exc:  # noqa: BLE001 - the caller's iterable: raised after what it gave
+                broke = exc
             if not group:
                 break
             pace.weigh(group[0])
@@ -106,6 +112,8 @@ def parts(
         while pending:
             fut, group, first = _next_done(pending, ordered)
             yield from _task_parts(eng, fut, group, context, pace, len(group) > 1, first)
+        if broke is not None:  # (as the builtin map(): every outcome before it, then its error)
+            raise broke
     finally:
         for f, group, _ in pending:
             f.cancel()
