@@ -117,6 +117,39 @@ def test_map_async_plain_iterable_return_exceptions(models: Any, backend: str) -
     assert [r.task_id for r in out] == list(range(8))
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_map_async_over_an_iterable_that_raises_gets_every_outcome_first(models: Any, backend: str, kind: str) -> None:
+    """As map(): every outcome of the items the iterable gave, in order, then its error (was: its
+    error at once, and what was in flight cancelled)."""
+    n = 40
+    xs = [rows(1, seed=i) for i in range(n)]
+
+    def plain():  # type: ignore[no-untyped-def]
+        for x in xs:
+            yield {"x": x}
+        raise OSError("the source went away")
+
+    async def stream():  # type: ignore[no-untyped-def]
+        for x in xs:
+            await asyncio.sleep(0)
+            yield {"x": x}
+        raise OSError("the source went away")
+
+    async def main() -> tuple[list[Any], Any]:
+        got = []
+        async with build(backend, models.mlp, workers=2) as eng:
+            with pytest.raises(OSError, match="the source went away"):
+                async for r in eng.map_async(plain() if kind == "sync" else stream(), window=8):
+                    got.append(r)
+            return got, eng.stats()
+
+    got, st = run(main())
+    assert [r.index for r in got] == list(range(n))
+    for r, x in zip(got, xs, strict=True):
+        np.testing.assert_allclose(r.outputs["probs"], onnx_models.mlp_reference(x)["probs"], rtol=1e-5, atol=1e-6)
+    assert (st.items_accepted, st.items_completed, st.items_cancelled) == (n, n, 0)
+
+
 def test_map_async_stops_early_and_cancels_the_rest(models: Any, backend: str, tmp_path: Path) -> None:
     async def main() -> None:
         async with gated_engine(models, backend) as eng:

@@ -140,19 +140,31 @@ async def map_async(
     context: dict[str, Any] | None,
 ) -> AsyncIterator[Result | BaseException]:
     """`BaseEngine.map_async()`: at most `window` tasks accepted and not yet yielded; what is
-    still in flight when the consumer stops is cancelled."""
+    still in flight when the consumer stops is cancelled. An iterable that raises: the outcomes
+    of every item it gave, then its error (as map())."""
     cfg = eng.config
     window = window or cfg.queue_capacity + cfg.workers * cfg.inflight_per_slot
     loop = asyncio.get_running_loop()
     held: deque[tuple[Future[Result], asyncio.Future[Result], int]] = deque()
+    numbered = _enumerate(_aiter(items))
+    broke: Exception | None = None
     try:
-        async for index, item in _enumerate(_aiter(items)):
+        while True:
+            try:
+                index, item = await anext(numbered)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # noqa: BLE001 - the caller's iterable: raised after what it gave
+                broke = exc
+                break
             fut = await _admit(eng, loop, item, context, None, None)
             held.append((fut, bridge(loop, fut), index))
             if len(held) >= window:
                 yield await _head(held, return_exceptions)
         while held:
             yield await _head(held, return_exceptions)
+        if broke is not None:
+            raise broke
     finally:
         for fut, waiter, _ in held:
             if waiter.done() and not waiter.cancelled():
