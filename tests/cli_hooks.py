@@ -5,6 +5,9 @@ Items are JSON objects: {"i": index, "x": [16 floats], ...} with optional marks:
   "sleep": s    take this long (so a test can interrupt a run in the middle)
   "poison": 1   kill the worker, every time (the engine ends the item with PoisonTask)
   "bad": 1      raise (the engine ends the item with SessionRunError)
+  "truncate": path, "rewrite": path
+                cut this file (the job's INPUT) to half its size, or write it again in place
+                with the same length and other bytes (its producer rewriting it mid-job)
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def feeds(item: Any) -> dict[str, np.ndarray]:
         os.kill(os.getpid(), signal.SIGKILL)
     if item.get("bad"):
         raise ValueError(f"item {item['i']} is marked bad")
+    if item.get("truncate"):
+        os.truncate(item["truncate"], os.path.getsize(item["truncate"]) // 2)
+    if item.get("rewrite"):
+        with open(item["rewrite"], "r+b") as f:
+            data = f.read()
+            f.seek(0)
+            f.write(data[::-1])
     return {"x": np.asarray(item["x"], dtype=np.float32)[None]}
 
 

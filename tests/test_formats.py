@@ -8,6 +8,7 @@ reference (tests/models/onnx_models.mlp_reference) or with what Engine.map gives
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,93 @@ def test_stdin_jsonl_text_and_no_resume(tmp_path: Path, models: SimpleNamespace)
 
     p = run_stdin(data, "run", models.mlp, "-", "-o", out, "--resume", "--preprocess", "tests.cli_hooks:feeds")
     assert p.returncode == 1 and "--resume cannot replay stdin" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+def test_an_input_changed_while_the_job_runs_is_not_published(how: str, tmp_path: Path, models: SimpleNamespace) -> None:
+    """INPUT cut short or rewritten in place (same length) by its producer while the job runs:
+    exit 1 with one line naming the change, OUTPUT not written (was, found by a hostile run: a
+    truncation ended "interrupted ... Resume with" with exit 130 and no signal sent, a rewrite
+    published an OUTPUT mixing old and new rows with exit 0). Fixed, --overwrite starts over."""
+    x = rows(6, seed=4)
+    src = tmp_path / "in.jsonl"
+    items: list[dict[str, Any]] = [{"i": i, "x": r.tolist()} for i, r in enumerate(x)]
+    jsonl(src, [{**items[0], how: str(src)}, *items[1:]])
+    out = tmp_path / "o.parquet"
+    args = ("run", models.mlp, src, "-o", out, "--workers", 1, "--preprocess", "tests.cli_hooks:feeds")
+    p = slabpool(*args)
+    assert p.returncode == 1, p.stderr
+    said = last_line(p)
+    assert said.startswith(f"slabpool run: error: INPUT changed while the job ran: {src}"), said
+    assert ("bytes, now" if how == "truncate" else "was rewritten") in said and "OUTPUT was not written" in said
+    assert not out.exists()
+    report = json.loads((tmp_path / "o.parquet.parts" / "report.json").read_text())
+    assert (report["exit_status"], report["interrupted"]) == (1, None)
+    jsonl(src, items)
+    p = slabpool(*args, "--overwrite")
+    assert p.returncode == 0, p.stderr
+    close(pq.read_table(out).column("probs").to_pylist(), ref(x)["probs"])
+
+
+def test_a_pipe_as_input_is_read_once(tmp_path: Path, models: SimpleNamespace) -> None:
+    """/dev/stdin, `<(zcat in.jsonl.gz)`, a FIFO: read once and held, as `-` is, its lines JSON
+    (was: counted in a first read that drained it, then nothing computed, exit 130 "interrupted"
+    with no signal sent). An array or table INPUT that is a pipe is refused up front."""
+    x = rows(5, seed=8)
+    data = "".join(json.dumps({"i": i, "x": r.tolist()}) + "\n" for i, r in enumerate(x))
+    out = tmp_path / "o.parquet"
+    p = run_stdin(data, "run", models.mlp, "/dev/stdin", "-o", out, "--workers", 1,
+                  "--preprocess", "tests.cli_hooks:feeds", "--keep", "line")
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(out)
+    assert t.column("line").to_pylist() == [1, 2, 3, 4, 5]
+    close(t.column("probs").to_pylist(), ref(x)["probs"])
+    fifo = tmp_path / "in.npy"
+    os.mkfifo(fifo)  # (never opened: nobody writes it, and the refusal comes first)
+    with pytest.raises(JobError, match=r"in.npy is not a regular file \(a pipe\?\): a .npy INPUT is read more"):
+        open_source(fifo, hook=False)
+
+
+def test_unreadable_files_in_a_folder_fail_alone(tmp_path: Path, models: SimpleNamespace) -> None:
+    """An empty .npy and a damaged .npz among good files: those two items fail, named, the
+    others are the model's (was: numpy's EOFError and zipfile.BadZipFile ended the job with a
+    traceback, and every rerun met them again)."""
+    x = rows(6, seed=5)
+    folder = tmp_path / "items"
+    folder.mkdir()
+    for i in range(6):
+        np.save(folder / f"{i:02d}.npy", x[i])
+    (folder / "02.npy").write_bytes(b"")
+    (folder / "04.npy").unlink()
+    (folder / "04.npz").write_bytes(b"PK\x03\x04 not a zip")
+    out = tmp_path / "o.npz"
+    p = slabpool("run", models.mlp, folder, "-o", out, "--workers", 1)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    failures = [json.loads(ln) for ln in (tmp_path / "o.npz.parts" / "failures.jsonl").read_text().splitlines()]
+    assert [(f["index"], f["error"]) for f in failures] == [(2, "ValueError"), (4, "ValueError")]
+    assert "02.npy cannot be read as .npy" in failures[0]["message"]
+    assert "04.npz cannot be read as .npz" in failures[1]["message"]
+    got = np.load(out)["probs"]
+    good = [0, 1, 3, 5]
+    np.testing.assert_allclose(got[good], ref(x[good])["probs"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(JobError, match=r"cannot read input .*04\.npz"):
+        open_source(folder / "04.npz", hook=False)
+
+
+def test_a_npy_truncated_while_it_is_read_stops_with_one_line(tmp_path: Path) -> None:
+    """A memory-mapped .npy cut short by its producer mid-job: its next rows raise JobError
+    (was: the copy of rows past the new end killed the job with SIGBUS, no report, no line)."""
+    path = tmp_path / "in.npy"
+    np.save(path, rows(64, seed=9))
+    src = open_source(path, hook=False)
+    blocks = src.blocks(16)
+    np.testing.assert_array_equal(next(blocks).rows[""], rows(64, seed=9)[:16])  # type: ignore[index]
+    assert src.rows is not None and src.changed() is None
+    os.truncate(path, path.stat().st_size // 2)
+    for read in (lambda: next(blocks), lambda: src.rows(40, 48)):  # type: ignore[misc]
+        with pytest.raises(JobError, match=r"INPUT changed while the job ran: .*in.npy was [\d,]+ bytes, now"):
+            read()
+    assert "bytes, now" in (src.changed() or "")
 
 
 def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path: Path, models: SimpleNamespace) -> None:

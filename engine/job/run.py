@@ -59,6 +59,7 @@ from slabpool.engine.job.progress import Progress, rate
 from slabpool.engine.job.report import JobOutcome, Latency, PeakRss, Report, SlotReport
 from slabpool.engine.job.signals import Interrupted, Interrupts, StopNow, hold, interrupts
 from slabpool.engine.job.sources import JobError, RowReader, Source, open_source
+from slabpool.engine.job.sources.base import input_changed
 from slabpool.engine.job.spec import (
     FailureLimit,
     JobSpec,
@@ -162,7 +163,7 @@ def _run_on(spec: JobSpec, source: Source, store: Store, t0: float, limit: Failu
     if todo:
         run.execute(source, todo)
     progress.close(store.settled_count(), len(store.failures()), run.stats.restarts if run.stats else 0)
-    return run.finish(store, source.count, settled_before)
+    return run.finish(store, source, settled_before)
 
 
 def _gaps(durable: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
@@ -379,16 +380,17 @@ class JobRun:
             self.peak_slots[s.slot] = (max(was[0], s.rss_bytes), max(was[1], s.pss_bytes), max(was[2], s.shared_bytes))
         return int(st.restarts)
 
-    def finish(self, store: Store, count: int, skipped: int) -> JobOutcome:  # step 5
-        spec, col = self.spec, self.collector
+    def finish(self, store: Store, source: Source, skipped: int) -> JobOutcome:  # step 5
+        spec, col, count = self.spec, self.collector, source.count
         notes: list[str] = []
         failures = store.failures()
         text = "".join(json.dumps(f.as_json()) + "\n" for f in failures)
         write_atomic(spec.parts / "failures.jsonl", lambda f: f.write(text.encode()))
         complete = store.settled_count() >= count
+        changed = source.changed()  # (OUTPUT from an input changed midway would mix old and new)
         hold("final")
         try:
-            if complete and count and not self.intr.count:
+            if complete and count and not self.intr.count and changed is None:
                 notes.extend(self._write_output(store, count))
         except Interrupted:
             pass  # OUTPUT stays as it was (a write is atomic); a rerun writes it from what is durable
@@ -397,6 +399,8 @@ class JobRun:
         if self.stopped:
             status, first = 1, col.first_failure
             error = f"stopped: {self.stopped}; first error: " + (f"{first.error}: {first.message}" if first else "-")
+        elif changed is not None or (not complete and not signalled):
+            status, error = 1, self._input_changed(changed, store.settled_count(), count)
         elif not complete or signalled:
             self.interrupted = self.intr.signum
             status = 128 + self.intr.signum if self.intr.signum else 130
@@ -405,6 +409,12 @@ class JobRun:
         report = self._report(count, skipped, len(failures), complete, status)
         report.write(spec.parts / "report.json")
         return JobOutcome(status, report, notes, error)
+
+    def _input_changed(self, changed: str | None, settled: int, count: int) -> str:
+        """The one line of a job whose INPUT changed while it ran (rewritten, truncated, replaced):
+        OUTPUT is not written, and a resume would be refused (its fingerprint is not the job's)."""
+        return input_changed(changed if changed is not None else (
+            f"it ended after {settled:,} of the {count:,} items it held when the job began"))
 
     def _write_output(self, store: Store, count: int) -> list[str]:
         """The single-file OUTPUT, from what is durable (a folder OUTPUT is its parts); notes."""

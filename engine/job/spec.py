@@ -232,7 +232,7 @@ def _shown(key: str, value: Any) -> str:
         if "files" in value:
             return f"{what} ({len(value['files'])} files)"
         if "stdin" in value:
-            return f"stdin (blake2b {str(value['stdin'])[:12]})"
+            return f"{what} (blake2b {str(value['stdin'])[:12]})"
         return f"{what} ({value.get('size')} bytes, mtime_ns {value.get('mtime_ns')})"
     if key == "columns" and isinstance(value, dict):
         return " ".join(f"{k}={','.join(v)}" for k, v in value.items())

@@ -8,6 +8,7 @@
     .jsonl/.json/.ndjson  a non-blank line (JSON)         the JSON value       line
     any other file        a non-blank line, a str         the line             line
     -                     a stdin line (JSON, or raw)     the value            line
+    a pipe (<(zcat ..))   read once and held, as stdin    the value            line
     .parquet/.csv/.arrow  a table row (pyarrow, batches)  {column: value}      any column
 
 A source is read front to back in `Block`s of consecutive items. Without a hook an array or
@@ -25,6 +26,7 @@ Arrow, with pyarrow) the kinds; `open_source` picks one.
 from __future__ import annotations
 
 import sys
+import zipfile
 from pathlib import Path
 
 from slabpool.engine.job.sources.arrays import ArrayFolderSource, FileFolderSource, NpySource, NpzSource
@@ -47,6 +49,14 @@ def open_source(path: Path, *, hook: bool, text: bool = False) -> Source:
         if path.is_dir():
             return FileFolderSource(path, hook) if hook else ArrayFolderSource(path, hook)
         suffix = path.suffix.lower()
+        if not path.is_file():  # a pipe (`<(zcat in.jsonl.gz)`, a FIFO, /dev/stdin): it reads once, as
+            # stdin does, and its lines are JSON as stdin's are unless its name says text (or --text)
+            if suffix in (".npy", ".npz", *TABLE_SUFFIXES):
+                raise JobError(f"{path} is not a regular file (a pipe?): a {suffix} INPUT is read more than "
+                               "once and at any row; save it to a file first")
+            with open(path, "rb") as f:
+                data = f.read()
+            return LinesSource(path, hook, as_json=(suffix in JSON_SUFFIXES or not suffix) and not text, data=data)
         if suffix == ".npy":
             return NpySource(path, hook)
         if suffix == ".npz":
@@ -60,5 +70,5 @@ def open_source(path: Path, *, hook: bool, text: bool = False) -> Source:
         return LinesSource(path, hook, as_json=suffix in JSON_SUFFIXES and not text)
     except JobError:
         raise
-    except (OSError, ValueError, EOFError, UnicodeDecodeError) as exc:  # pyarrow's errors are ValueErrors
+    except (OSError, ValueError, EOFError, UnicodeDecodeError, zipfile.BadZipFile) as exc:  # pyarrow's: ValueErrors
         raise JobError(f"cannot read input {path}: {exc}") from exc

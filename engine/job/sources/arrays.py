@@ -4,6 +4,8 @@ a file's path is one item)."""
 
 from __future__ import annotations
 
+import os
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from slabpool.engine.job.sources.base import (
     Source,
     block_bounds,
     file_fingerprint,
+    folder_fingerprint,
+    input_changed,
 )
 
 # -- arrays ----------------------------------------------------------------------------------------
@@ -33,12 +37,28 @@ class NpySource(Source):
             raise JobError(f"{path} holds a scalar; items must lie on axis 0")
         self.count, self.fingerprint = int(self.array.shape[0]), file_fingerprint(path)
         self.rows = None if hook else self._rows
+        self._length = self.array.offset + self.array.nbytes  # (the file's bytes its rows need)
 
     def _rows(self, lo: int, hi: int) -> Any:
+        self._still_whole()
         return self.array[lo:hi]  # a view of the memory-mapped file: one copy, into shared memory
+
+    def _still_whole(self) -> None:
+        """Before rows of the mapped file are read: a file truncated since (rewritten in place by
+        its producer) raises JobError here; its pages past the end would kill the process with
+        SIGBUS in the copy. (A truncation in the microseconds between this look and the copy
+        still does: the mapping is the price of a copy-free read.)"""
+        assert self.path is not None
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:
+            return  # (removed, or replaced and gone: the mapping holds the file it was; the job's end says so)
+        if size < self._length:
+            raise JobError(input_changed(f"{self.path} was {self.fingerprint['size']:,} bytes, now {size:,}"))
 
     def blocks(self, size: int) -> Iterator[Block]:
         for s, e in block_bounds(self.count, size):
+            self._still_whole()
             if self.hook:
                 yield Block(s, e - s, items=[np.array(self.array[i]) for i in range(s, e)])
             else:
@@ -88,8 +108,11 @@ class ArrayFolderSource(Source):
             raise JobError(f"{path} holds no .npy or .npz files; a folder of other files needs "
                            "--preprocess MOD:FN (it gets each file's path)")
         self.count = len(self.files)
-        self.fingerprint = {"path": str(path.resolve()),
-                            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]}
+        self.fingerprint = folder_fingerprint(path, self.files)
+
+    def fingerprint_now(self) -> dict[str, Any]:
+        assert self.path is not None
+        return folder_fingerprint(self.path, self.files)
 
     def _batched(self, name: str, a: Array) -> Array:
         """A batch axis is added when the array has one dimension less than the model input."""
@@ -98,10 +121,16 @@ class ArrayFolderSource(Source):
         return a[None] if a.ndim == want - 1 else a
 
     def _load(self, f: Path) -> Any:
-        if f.suffix == ".npy":
-            return self._batched(BARE, np.load(f))
-        with np.load(f) as z:
-            return {k: self._batched(k, z[k]) for k in z.files}
+        """One file's array(s); a file that is not a readable .npy/.npz (empty, cut short, not a
+        zip) raises ValueError naming it: that item alone fails (numpy raises EOFError and
+        zipfile.BadZipFile, which are not an item's errors to the job)."""
+        try:
+            if f.suffix == ".npy":
+                return self._batched(BARE, np.load(f))
+            with np.load(f) as z:
+                return {k: self._batched(k, z[k]) for k in z.files}
+        except (EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"{f.name} cannot be read as {f.suffix}: {exc}") from exc
 
     def blocks(self, size: int) -> Iterator[Block]:
         for s, e in block_bounds(self.count, size):
@@ -122,9 +151,11 @@ class FileFolderSource(Source):
             raise JobError(f"{path} holds no files")
         self.files = files
         self.count = len(files)
-        stats = [f.stat() for f in files]
-        self.fingerprint = {"path": str(path.resolve()), "files": [
-            [f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns] for f, st in zip(files, stats, strict=True)]}
+        self.fingerprint = folder_fingerprint(path, files)
+
+    def fingerprint_now(self) -> dict[str, Any]:
+        assert self.path is not None
+        return folder_fingerprint(self.path, self.files)
 
     def blocks(self, size: int) -> Iterator[Block]:
         assert self.path is not None

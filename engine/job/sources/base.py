@@ -135,10 +135,56 @@ class Source:
     def blocks(self, size: int) -> Iterator[Block]:
         raise NotImplementedError
 
+    def changed(self) -> str | None:
+        """What of INPUT is not as it was when the job opened it (rewritten, truncated, replaced
+        or removed since: its size or modification time), in words; None if nothing is (stdin
+        was read whole at the start). The job looks before it writes OUTPUT: a file changed
+        under it would have given some items from the old content and some from the new."""
+        if self.path is None:
+            return None
+        try:
+            now = self.fingerprint_now()
+        except OSError as exc:
+            return f"{exc.filename or self.label} can no longer be read ({exc.strerror})"
+        return None if now == self.fingerprint else what_changed(self.fingerprint, now)
+
+    def fingerprint_now(self) -> dict[str, Any]:
+        """`fingerprint` as INPUT is now (a file's: its size and modification time)."""
+        assert self.path is not None
+        return file_fingerprint(self.path)
+
 
 def file_fingerprint(path: Path) -> dict[str, Any]:
     st = path.stat()
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def folder_fingerprint(path: Path, files: Sequence[Path]) -> dict[str, Any]:
+    """A folder's: each file's path (relative), size and modification time."""
+    stats = [f.stat() for f in files]
+    return {"path": str(path.resolve()), "files": [
+        [f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns] for f, st in zip(files, stats, strict=True)]}
+
+
+def what_changed(was: dict[str, Any], now: dict[str, Any]) -> str:
+    """Two fingerprints of one INPUT (file_fingerprint's or folder_fingerprint's), the change in words."""
+    if "files" in was:
+        for (name, size, mtime), (_, size2, mtime2) in zip(was["files"], now["files"], strict=True):
+            if (size, mtime) != (size2, mtime2):
+                return f"{was['path']}/{name} " + _change(size, size2)
+        return f"{was['path']} changed"
+    return f"{was['path']} " + _change(was["size"], now["size"])
+
+
+def input_changed(what: str) -> str:
+    """The one line of a job whose INPUT changed under it: OUTPUT is not written (a resume would
+    be refused too: the input's fingerprint is no longer the job's)."""
+    return (f"INPUT changed while the job ran: {what}. OUTPUT was not written: its items would mix the "
+            "input as it was and as it is. Rerun with --overwrite to start over on the input as it is now")
+
+
+def _change(size: int, now: int) -> str:
+    return f"was {size:,} bytes, now {now:,}" if size != now else f"was rewritten ({size:,} bytes, modified since)"
 
 
 def block_bounds(count: int, size: int) -> Iterator[tuple[int, int]]:

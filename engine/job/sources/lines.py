@@ -3,7 +3,8 @@
 A file is read twice, front to back, never held whole: once at the start to count its items
 (and check that it is UTF-8), then in blocks as the job goes, READ_CHARS at a time (decoding
 and newlines, `\\n`, `\\r\\n` or `\\r`, are handled in C; no Python per line but a split and a
-test for blank). stdin cannot be read twice: it is kept in memory. A line travels to the
+test for blank). stdin cannot be read twice: it is kept in memory, and so is a pipe given as
+INPUT (`<(zcat in.jsonl.gz)`, a FIFO, /dev/stdin), whose second read found nothing. A line travels to the
 workers as it is, a str; a JSONL line is parsed there (`decode`, before the hook), so the
 caller pays neither the parsing nor the pickling of what it parses to. A line that is not JSON
 fails alone, as any item the hook fails on.
@@ -31,22 +32,27 @@ class LinesSource(Source):
 
     def __init__(self, path: Path | None, hook: bool, *, as_json: bool, data: bytes | None = None) -> None:
         super().__init__(path, hook)
-        self.kind = ("JSON lines" if as_json else "text lines") + (" on stdin" if path is None else "")
+        self.kind = ("JSON lines" if as_json else "text lines") + (
+            " on stdin" if path is None else " from a pipe" if data is not None else "")
         if not hook:
             raise JobError(f"{self.label}: a text or JSONL input needs --preprocess MOD:FN")
         self.decode = json_line if as_json else None
-        self._data = data if path is None else None
+        self._data = data  # (None: a file, read twice)
         self.count = sum(len(texts) for texts, _ in self._pieces(numbered=False))  # not UTF-8: fails here
-        if path is not None:
+        if data is None:
+            assert path is not None
             self.fingerprint = file_fingerprint(path)
-        else:
-            digest = hashlib.blake2b(data or b"", digest_size=16).hexdigest()
-            self.fingerprint = {"stdin": digest, "json": as_json}
+        else:  # (what was read: a pipe is named too, the same data piped again resumes it)
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            self.fingerprint = {"stdin": digest, "json": as_json} | ({"path": str(path)} if path is not None else {})
+
+    def changed(self) -> str | None:
+        return None if self._data is not None else super().changed()  # (what is held cannot change)
 
     def _open(self) -> IO[str]:
         # utf-8-sig: a byte order mark at the start (Windows editors write one) is not part of
         # the first line (it was, and a JSONL file's first item failed: "Unexpected UTF-8 BOM")
-        if self.path is None:
+        if self._data is not None or self.path is None:
             return io.TextIOWrapper(io.BytesIO(self._data or b""), encoding="utf-8-sig")
         return open(self.path, encoding="utf-8-sig")  # universal newlines: each ending reads as \n
 
