@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 GATE_ENV = "SLABPOOL_TEST_GATE"
+REFUSE_ENV = "SLABPOOL_TEST_REFUSE"
 
 
 def _first(path: str) -> bool:
@@ -49,3 +50,11 @@ def gate() -> None:
     path = os.environ.get(GATE_ENV)
     while path and os.path.exists(path):
         time.sleep(0.01)
+
+
+def refuse() -> None:
+    """An initializer: a worker that starts while the file named by $SLABPOOL_TEST_REFUSE
+    exists fails its start-up (again and again: the engine stops, docs/faults.md)."""
+    path = os.environ.get(REFUSE_ENV)
+    if path and os.path.exists(path):
+        raise RuntimeError(f"refused to start: {path} exists")

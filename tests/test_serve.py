@@ -9,6 +9,7 @@ process tree and its two listening ports, and nothing else.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import socket
@@ -236,6 +237,13 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     # one input's elements in two places (was: the binary ones read, "data" dropped)
     "data and binary": ("ints", {"inputs": [{**XI, "parameters": {"binary_data_size": 16}}]}, 400,
                         ["'x'", "both", "binary_data_size"]),
+    # a client's mistakes that were 500s (a hostile run): data nested past any tensor's rank
+    # (a RecursionError, 167 KB of traceback logged), dims past int64 or past any array's size
+    "nested 500 deep": ("mlp", {"inputs": [{**X, "data": functools.reduce(lambda a, _: [a], range(500), 0.5)}]},
+                        400, ["'x'", "nested deeper than"]),
+    "dim past int64": ("mlp", {"inputs": [{**X, "shape": [0, 2**63], "data": []}]}, 400, ["'x'", "2**63-1"]),
+    "no array that big": ("mlp", {"inputs": [{**X, "shape": [0, 2**62], "data": []}]}, 400,
+                          ["'x'", "larger than any array"]),
     "binary size not a count": ("ints", {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "INT32",
                                                      "parameters": {"binary_data_size": "16"}}]}, 400,
                                 ["'x'", "binary_data_size", "integer", "'16'"]),
@@ -294,7 +302,8 @@ def test_a_reload_that_changes_the_signature_is_400_in_the_protocols_words(serve
     assert httpx.post(f"{server.url}/v2/models/ints/infer", json=body).status_code == 200
 
 
-@pytest.mark.parametrize("body", [{"parameters": 5}, {"parameters": ["path"]}, {"parameters": {"path": 5}}, [1]])
+@pytest.mark.parametrize("body", [{"parameters": 5}, {"parameters": ["path"]}, {"parameters": {"path": 5}}, [1],
+                                  {"parameters": {"path": ""}}])  # ("": was a reload of the old file, 200)
 def test_a_malformed_load_request_is_400_and_reloads_nothing(server, body):
     """Was: `"parameters": 5` answered a plain-text 500 (an AttributeError in the app)."""
     before = httpx.get(f"{server.url}/v2/models/ints").json()["versions"]
@@ -724,7 +733,7 @@ def test_grpc_contents_in_two_places_or_the_wrong_field_are_refused():
 
 
 @pytest.mark.parametrize(("kind", "value"), [("string_param", "soon"), ("int64_param", -5), ("bool_param", True),
-                                             ("double_param", -0.5)])
+                                             ("double_param", -0.5), ("double_param", float("nan"))])
 def test_grpc_timeout_parameter_is_checked_as_http_checks_it(kind, value):
     """Was: a string answered UNKNOWN (a TypeError), a negative or `true` timeout a 504."""
     from slabpool.engine.serve import grpc as serve_grpc
@@ -877,7 +886,7 @@ def test_grpc_repository_index_and_refusals_through_tritonclient(server, models)
             (lambda: c.unload_model("ints"), "INVALID_ARGUMENT", "unload is not supported"),
             (lambda: c.load_model("nope"), "NOT_FOUND", "unknown model 'nope'"),
             (lambda: c.load_model("ints", config='{"backend": "onnx"}'), "INVALID_ARGUMENT", "['config']"),
-            (lambda: _grpc_load(server, "ints", path=5), "INVALID_ARGUMENT", "parameters.path must be a string"),
+            (lambda: _grpc_load(server, "ints", path=5), "INVALID_ARGUMENT", "parameters.path must be a model file's path"),
             (lambda: _grpc_load(server, "ints", path=str(models.mlp)), "INVALID_ARGUMENT", "old model keeps serving"),
         ]
         for call, code, words in cases:

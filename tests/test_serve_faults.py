@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.models import onnx_models
 from tests.reference import ort_run
-from tests.serve_hooks import GATE_ENV
+from tests.serve_hooks import GATE_ENV, REFUSE_ENV
 from tests.serve_support import Server, check_nothing_left, held
 
 pytestmark = pytest.mark.timeout(180)
@@ -113,6 +113,13 @@ def grpc_infer(srv: Server, x: np.ndarray, fault: str | None = None, **kw: Any) 
             return str(exc.status()).removeprefix("StatusCode."), exc.message()
     finally:
         c.close()
+
+
+def _slots(srv: Server, state: str) -> float:
+    """Model mlp's slots in `state` now, from /metrics."""
+    text = httpx.get(f"{srv.url}/metrics").text
+    got = re.search(rf'^slabpool_slots\{{(?=[^}}]*state="{state}")(?=[^}}]*model="mlp")[^}}]*\}} (\S+)$', text, re.M)
+    return float(got.group(1)) if got else 0.0
 
 
 def metric(srv: Server, name: str) -> float:
@@ -495,6 +502,52 @@ def test_each_answer_during_a_reload_names_the_version_that_computed_it(models, 
 
 
 @pytest.mark.slow
+def test_sigterm_during_a_reload_whose_worker_never_starts_exits_at_once(models, tmp_path, gate_file):
+    """Was (a hostile run): the engines were closed after the event loop, whose shutdown waited
+    for the reload's thread, which waited for a worker held at start: the process never exited
+    (90 s and more), and the load's client got uvicorn's plain 500. Now the engines close in
+    the loop: the reload ends, its client gets 503, the server exits 0 and leaves nothing."""
+    srv = Server(f"mlp={models.mlp}", "--workers", "2", *HOOKS, env={GATE_ENV: str(gate_file)})
+    _servers.append(srv)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            gate_file.touch()  # (the reload's new worker waits at start)
+            load = pool.submit(httpx.post, f"{srv.url}/v2/repository/models/mlp/load", json={}, timeout=120)
+            wait_for(lambda: _slots(srv, "STARTING") == 1, "the reload's worker to wait at start")
+            assert post(srv, _x(90))[0] == 200  # (the other slot serves on)
+            assert srv.stop(timeout=30) == 0
+            r = load.result()
+            assert r.status_code == 503 and "reload of 'mlp' ended" in r.json()["error"], r.text
+    finally:
+        gate_file.unlink(missing_ok=True)
+        _servers.remove(srv)
+
+
+def test_an_engine_that_stopped_for_good_is_not_live(models, tmp_path):
+    """The only worker dies and every start of its slot fails: the engine stops (docs/faults.md)
+    and nothing brings it back, not a reload. Was: live 200 for ever (a supervisor never
+    restarts it) while every request answered 500 naming the failure. Now live is 503 (HTTP
+    and gRPC), and SIGTERM still exits cleanly."""
+    refuse = tmp_path / "refuse"
+    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--preprocess", "tests.serve_hooks:marked",
+                 "--initializer", "tests.serve_hooks:refuse", env={REFUSE_ENV: str(refuse)})
+    _servers.append(srv)
+    try:
+        assert httpx.get(f"{srv.url}/v2/health/live").status_code == 200
+        refuse.touch()
+        status, msg = post(srv, _x(92), "kill")  # (its worker dies; no start of the slot succeeds again)
+        assert status >= 500, msg
+        wait_for(lambda: httpx.get(f"{srv.url}/v2/health/live").status_code == 503, "live to turn false")
+        assert httpx.get(f"{srv.url}/v2/health/live").json() == {"live": False}
+        with tgrpc.InferenceServerClient(srv.grpc_url) as c:
+            assert c.is_server_live() is False
+        status, msg = post(srv, _x(91))
+        assert status == 500 and "the engine stopped" in msg, msg
+        assert srv.stop() == 0
+    finally:
+        _servers.remove(srv)
+
+
 def test_a_drain_that_outlasts_its_timeout_cancels_the_rest_and_exits_1(models, tmp_path):
     srv = Server(f"mlp={models.mlp}", "--workers", "1", "--drain-timeout", "0.5", *HOOKS)
     _servers.append(srv)

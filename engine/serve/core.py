@@ -12,8 +12,8 @@ an `InferRequest`, `Frontend.infer` runs it on the model's engine, the transport
     encode once <- InferResponse  <----    outputs selected, as arrays, <---- outputs, the version
                                            with that version                   that computed them
 
-Health is read here too: live while the process answers; ready while not draining and every
-model has a slot that can serve (engine/serve/models.py).
+Health is read here too: live while the process answers and no model's engine has stopped for
+good; ready while not draining and every model has a slot that can serve (engine/serve/models.py).
 """
 
 from __future__ import annotations
@@ -88,6 +88,13 @@ class Frontend:
     def ready(self) -> bool:
         return not self.draining and self.repo.ready()
 
+    def live(self) -> bool:
+        """False once a model's engine has stopped for good while the server is not stopping it
+        (a slot that failed to start again and again, docs/faults.md): nothing brings it back,
+        not even a reload, so the process should be restarted (a liveness probe's 503 tells
+        Kubernetes so). Was: live while every inference answered 500, for ever."""
+        return self.draining or self.repo.alive()
+
     def model_ready(self, name: str, version: str = "") -> bool:
         served = self.repo[name]
         served.check_version(version)
@@ -123,9 +130,9 @@ class Frontend:
             raise BadRequest(f"load of {name!r}: parameters {other} are not supported; the only one is \"path\" "
                              "(a model file the server can read)")
         path = params.get("path")
-        if path is not None and not isinstance(path, str):
-            raise BadRequest(f"parameters.path must be a string, got {path!r}")
-        from slabpool import SessionInitError, SignatureChanged
+        if path is not None and (not isinstance(path, str) or not path):  # ("": was the old file, silently)
+            raise BadRequest(f"parameters.path must be a model file's path, got {path!r}")
+        from slabpool import EngineClosed, SessionInitError, SignatureChanged
 
         try:
             return str(await served.reload(path))
@@ -137,6 +144,8 @@ class Frontend:
             raise BadRequest(f"reload of {name!r} refused: {exc}; the old model keeps serving") from None
         except SessionInitError as exc:
             raise ServeError(f"reload of {name!r} failed: {exc}; the old model keeps serving") from None
+        except EngineClosed as exc:  # (the server stops: SIGTERM during a reload whose worker never started)
+            raise Unavailable(f"reload of {name!r} ended: {exc}") from None
 
     def unload(self, name: str) -> None:
         self.repo[name]  # an unknown model is 404 / NOT_FOUND
@@ -225,7 +234,7 @@ def timeout_param(us: Any) -> float | None:
     transports); 0 or absent: none."""
     if us is None or us == 0:
         return None
-    if isinstance(us, bool) or not isinstance(us, int | float) or us < 0:
+    if isinstance(us, bool) or not isinstance(us, int | float) or not us >= 0:  # (NaN too: not >= 0)
         raise BadRequest(f"parameters.timeout must be microseconds >= 0, got {us!r}")
     return float(us) / 1e6
 

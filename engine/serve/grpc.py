@@ -59,7 +59,7 @@ class GrpcService:
         })
 
     async def server_live(self, request: Any, context: Any) -> Any:
-        return pb.ServerLiveResponse(live=True)
+        return pb.ServerLiveResponse(live=self.fe.live())
 
     async def server_ready(self, request: Any, context: Any) -> Any:
         return pb.ServerReadyResponse(ready=self.fe.ready())

@@ -113,7 +113,8 @@ class HttpApp:
         if parts == ["metrics"]:
             return Status.OK, fe.metrics.render(), _METRICS
         if parts == ["v2", "health", "live"]:
-            return Status.OK, b'{"live":true}', _JSON
+            live = fe.live()
+            return (Status.OK, b'{"live":true}', _JSON) if live else (Status.UNAVAILABLE, {"live": False}, _JSON)
         if parts == ["v2", "health", "ready"]:
             ready = fe.ready()
             return (Status.OK, b'{"ready":true}', _JSON) if ready else (Status.UNAVAILABLE, {"ready": False}, _JSON)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slabpool.engine.core.states import EngineState
 from slabpool.engine.local.pool import Engine
 from slabpool.engine.serve import tensors
 from slabpool.engine.serve.errors import NotFound
@@ -94,6 +95,10 @@ class Repository(Mapping[str, Served]):
 
     def ready(self) -> bool:
         return all(m.ready() for m in self._models.values())
+
+    def alive(self) -> bool:
+        """No engine has stopped (one the server did not close: it failed, and serves no more)."""
+        return all(m.engine.state is not EngineState.CLOSED for m in self._models.values())
 
     def close(self, timeout: float | None = None, cancel: bool = False) -> None:
         """Close every engine (idempotent): `cancel` drops what is queued; after `timeout` s

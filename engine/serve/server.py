@@ -100,8 +100,12 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         fe.draining = True
         log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
         drained = await fe.wait_idle(listen.drain_timeout)
-        if not drained:  # cancel what is left: those requests answer 503 before the servers stop
-            await asyncio.to_thread(fe.repo.close, 5.0, True)
+        # the engines close here, inside the loop: a reload still running (a worker that never
+        # starts) ends with EngineClosed, its request answered. Closed after the loop (was), its
+        # thread held the loop's executor, whose shutdown waited for it: the process never exited.
+        # Not drained: what is left is cancelled, and answers 503 before the servers stop.
+        await asyncio.to_thread(fe.repo.close, 5.0, not drained)
+        if not drained:
             await fe.wait_idle(5.0)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
