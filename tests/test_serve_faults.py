@@ -40,6 +40,7 @@ from tests.serve_support import Server, check_nothing_left, held
 pytestmark = pytest.mark.timeout(180)
 HOOKS = ["--preprocess", "tests.serve_hooks:marked", "--initializer", "tests.serve_hooks:gate"]
 _servers: list[Server] = []
+DEADLINE_S = 60  # only a hang reaches it
 
 
 @pytest.fixture(scope="module")
@@ -543,6 +544,53 @@ def test_an_engine_that_stopped_for_good_is_not_live(models, tmp_path):
             assert c.is_server_live() is False
         status, msg = post(srv, _x(91))
         assert status == 500 and "the engine stopped" in msg, msg
+        assert srv.stop() == 0
+    finally:
+        _servers.remove(srv)
+
+
+def test_a_client_too_slow_to_send_its_request_is_disconnected(models, tmp_path):
+    """--read-timeout: a connection that sends nothing, headers never ended, a body paused past
+    it: each closed by the server. Was (a hostile run): 300 such connections held for 40 s and
+    more, each an fd, with no end. A body sent in pauses shorter than it, slower altogether,
+    is answered; so is a request pipelined behind one that runs longer than the timeout."""
+    srv = Server(f"mlp={models.mlp}", "--workers", "1", "--read-timeout", "2", *HOOKS)
+    _servers.append(srv)
+    release = tmp_path / "release"
+    try:
+        held = json.dumps(_body(_x(93), f"hold:{release}")).encode()
+        after = json.dumps(_body(_x(94))).encode()
+        with socket.create_connection((srv.host, srv.http_port)) as piped:
+            both = b"".join(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                            b"Inference-Header-Content-Length: %d\r\n\r\n%s" % (len(b), len(b), b)
+                            for b in (held, after))
+            piped.sendall(both)
+            wait_for(lambda: metric(srv, "slabpool_busy_slots") == 1, "the worker to hold the first request")
+            time.sleep(3)  # (past the read timeout while the first runs, the second queued behind it)
+            release.touch()
+            piped.settimeout(DEADLINE_S)
+            answers = b""
+            while answers.count(b"HTTP/1.1 200 OK") < 2:
+                got = piped.recv(65536)
+                assert got, f"closed after {answers!r}"
+                answers += got
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}]}).encode()
+        head = (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        slow = [socket.create_connection((srv.host, srv.http_port)) for _ in range(3)]
+        slow[1].sendall(head[:20])  # its headers begun, never ended
+        slow[2].sendall(head + body[:10])  # its body begun, then paused
+        with socket.create_connection((srv.host, srv.http_port)) as s:
+            s.sendall(head)
+            for i in range(0, len(body), 15):  # ~3 s in all, 0.2 s pauses
+                time.sleep(0.2)
+                s.sendall(body[i : i + 15])
+            s.settimeout(DEADLINE_S)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        for s in slow:
+            s.settimeout(DEADLINE_S)  # (only a server that never closes it reaches this)
+            assert s.recv(1024) == b""
+            s.close()
         assert srv.stop() == 0
     finally:
         _servers.remove(srv)

@@ -107,6 +107,9 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_positive_int, default=64 * 2**20,
                    help="largest request body (HTTP) or message (gRPC); larger ones answer 413 / "
                         "RESOURCE_EXHAUSTED before they are buffered (default 64 MiB)")
+    p.add_argument("--read-timeout", type=_positive_float, default=30.0,
+                   help="seconds an HTTP client has to send a request's headers, and the longest pause in its "
+                        "body; a slower one is disconnected (it would hold its connection for ever; default 30)")
     p.add_argument("--access-log", action="store_true", help="one JSON line per request on stderr")
     p.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
@@ -166,5 +169,6 @@ def cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
         Repository(served).close()
         raise
     fe = Frontend(Repository(served), metrics, log_access=args.access_log)
-    listen = server.Listen(args.host, args.http_port, args.grpc_port, args.drain_timeout, args.max_request_bytes)
+    listen = server.Listen(args.host, args.http_port, args.grpc_port, args.drain_timeout, args.max_request_bytes,
+                           args.read_timeout)
     return server.run(fe, listen)

@@ -29,7 +29,7 @@ import uvicorn
 from slabpool.engine.serve.core import Frontend
 from slabpool.engine.serve.grpc import GrpcService
 from slabpool.engine.serve.http import HttpApp
-from slabpool.engine.serve.uvproto import JoinedHttpToolsProtocol
+from slabpool.engine.serve.uvproto import READ_TIMEOUT_S, JoinedHttpToolsProtocol
 
 log = logging.getLogger("slabpool.engine.serve")
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -51,6 +51,7 @@ class Listen:
     grpc_port: int = 8001
     drain_timeout: float = 30.0
     max_request_bytes: int = MAX_REQUEST_BYTES
+    read_timeout: float = READ_TIMEOUT_S
 
 
 class _Uvicorn(uvicorn.Server):
@@ -60,22 +61,23 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def http_server(app: HttpApp) -> uvicorn.Server:
+def http_server(app: HttpApp, read_timeout: float = READ_TIMEOUT_S) -> uvicorn.Server:
     """uvicorn as serve runs it: its httptools protocol with each answer in one write
     (uvproto.py; the event loop is the caller's: uvloop), no lifespan, no websockets, no access
     log of its own (--access-log is the server's), and no proxy-headers middleware (its
     X-Forwarded-* rewrite of the client address, which nothing here reads, was a middleware
     call per request: ~10 us, docs/serve.md)."""
-    return _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                   http=JoinedHttpToolsProtocol, ws="none", proxy_headers=False,
-                                   timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                            http=JoinedHttpToolsProtocol, ws="none", proxy_headers=False, timeout_graceful_shutdown=5)
+    config.slabpool_read_timeout = read_timeout  # type: ignore[attr-defined]  # (uvproto: a slow client's limit)
+    return _Uvicorn(config)
 
 
 async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -> bool:
     """Serve until SIGTERM/SIGINT, then drain; True when every accepted request was answered."""
     loop = asyncio.get_running_loop()
     sock = socket.create_server((listen.host, listen.http_port), backlog=2048)
-    http = http_server(HttpApp(fe, listen.max_request_bytes))
+    http = http_server(HttpApp(fe, listen.max_request_bytes), listen.read_timeout)
     rpc = grpc.aio.server(options=grpc_options(listen.max_request_bytes))
     rpc.add_generic_rpc_handlers((GrpcService(fe).handler(),))
     try:

@@ -41,6 +41,13 @@ in the order of their requests). uvicorn wrote it at once, so a client that pipe
 request and a bad one read the 400 as its good request's answer, and lost that answer. Bad
 bytes inside a request's body (a chunk's framing) are that request's: its 400 goes at once.
 
+A client too slow to send its request: its headers must arrive within `read_timeout` seconds
+of the request's first byte (or of the connection, for its first request), and its body
+without a pause longer than that; else the connection is closed. uvicorn times only the idle
+keep-alive between requests, so a client that dribbled its headers or body (slowloris) held
+its connection, and its file descriptor, for ever: 300 of them, with a host's fd limit, were
+enough to stop every rebuild of a worker (a hostile run).
+
 Started at once: an app may offer `eager(scope)`, a handler for a route whose work needs no
 ASGI (serve's inference: http.py). A request it takes, which came whole in one read, the only
 request of its connection in flight, runs in that read's `data_received`, not in a Task
@@ -65,6 +72,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from slabpool.engine.serve import eager
 
 JOIN_BYTES = 64 * 1024
+READ_TIMEOUT_S = 30.0  # a request's headers, and each pause in its body (the config's slabpool_read_timeout)
 DISCONNECT = "slabpool_disconnect"  # the scope extension: callbacks to run when the client goes away
 Headers = list[tuple[bytes, bytes]]
 Respond = Callable[[int, bytes, Headers], Awaitable[None]]  # an answer: status, body, headers
@@ -125,14 +133,41 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         self.refused: str | None = None  # a 400 waiting for the answers before it
         self.reading = False  # in data_received: a request the app takes at once waits for its end
         self.deferred: tuple[RequestResponseCycle, Any, Handler] | None = None
+        # a request being read (its headers, or its body: `in_body`) must arrive by `read_by`
+        # (headers: read_timeout from its first byte; a body: from its last read). Kept as a
+        # time, not a timer a request: one timer, only while a request spans reads (a request
+        # whole in one read makes none: three timers a request were ~5 us of the event loop)
+        self.read_timeout: float = getattr(self.config, "slabpool_read_timeout", READ_TIMEOUT_S)
+        self.partial, self.in_body = True, False  # (the first request is awaited from the connection)
+        self.read_by = self.loop.time() + self.read_timeout
+        self.read_timer: asyncio.TimerHandle | None = self.loop.call_later(self.read_timeout, self._read_due)
         super().connection_made(JoinedWrites(transport, self.loop))  # type: ignore[arg-type]
 
+    def _read_due(self) -> None:
+        """The request being read is late (its headers past read_timeout, a pause in its body as
+        long): the connection is closed, nothing of it can be answered. Else look again then."""
+        self.read_timer = None
+        if not self.partial or self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # (the server is not reading: a request pipelined behind one that
+            self.read_by = self.loop.time() + self.read_timeout  # runs, a large body the app has not taken)
+        left = self.read_by - self.loop.time()
+        if left > 0:
+            self.read_timer = self.loop.call_later(left, self._read_due)
+            return
+        log.debug("closing a connection whose request did not arrive within %s s", self.read_timeout)
+        self.transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if self.in_body:
+            self.read_by = self.loop.time() + self.read_timeout
         self.reading = True
         try:
             super().data_received(data)
         finally:
             self.reading = False
+        if self.partial and self.read_timer is None:  # (a request spans reads: its deadline watched)
+            self.read_timer = self.loop.call_later(max(0.0, self.read_by - self.loop.time()), self._read_due)
         deferred = self.deferred
         if deferred is None:
             return
@@ -213,10 +248,12 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         cycle.on_response()
 
     def on_message_begin(self) -> None:
+        self.partial, self.read_by = True, self.loop.time() + self.read_timeout  # (its headers from its first byte)
         super().on_message_begin()
         self.scope["extensions"] = {DISCONNECT: self.on_lost}  # type: ignore[dict-item]  # ASGI types it loosely
 
     def on_headers_complete(self) -> None:
+        self.in_body, self.read_by = True, self.loop.time() + self.read_timeout
         super().on_headers_complete()
         cycles = self.unanswered
         if not cycles or cycles[-1] is not self.cycle:  # a new request (not an upgrade's early return)
@@ -225,11 +262,14 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
             cycles.append(self.cycle)
 
     def on_message_complete(self) -> None:
+        self.partial = self.in_body = False  # (whole: it runs as long as it runs; uvicorn times the keep-alive after it)
         super().on_message_complete()
         if not self.cycle.more_body and not self.pipeline and self.refused is None:
             self.flow.resume_reading()  # (see the module's docstring: a large body's pause)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
         for cycle in self.unanswered:  # uvicorn marks only self.cycle: the newest
             if not cycle.response_complete:
                 cycle.disconnected = True
