@@ -5,6 +5,9 @@ contract on both backends is in tests/test_ray.py, "hot model swaps".)"""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,3 +59,27 @@ def test_a_slot_killed_while_it_starts_on_the_new_model_is_started_again(models,
     assert res.model_version == new and {s.model_version for s in st.slots} == {new}
     assert res.outputs["probs"].tobytes() == ort_run(v2, {"x": x})["probs"].tobytes()
 
+
+
+def test_a_reload_by_a_relative_path_survives_a_change_of_folder(models, v2, tmp_path, monkeypatch):
+    """reload("mlp_v2.onnx") from its folder, then the process changes folder and a worker dies:
+    its slot comes back on the new model (was, a hostile run: the path was kept relative, as
+    Engine() does not keep it, and with no usable cache every rebuild failed FileNotFoundError;
+    the slot stayed DEAD). The cache is unusable here, so the slot opens the source itself."""
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    (tmp_path / "c").write_text("a file, not a folder: no usable cache")
+    with Engine(models.mlp, workers=2, cache_dir=tmp_path / "c") as eng:
+        monkeypatch.chdir(v2.parent)
+        new = eng.reload(v2.name, timeout=120)
+        monkeypatch.chdir(tmp_path)
+        victim = eng.stats().slots[0].pid
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        res = [eng.submit({"x": x}).result(timeout=60) for _ in range(8)]
+        deadline = time.monotonic() + 60  # (only a slot that never comes back reaches it)
+        while time.monotonic() < deadline and (eng.stats().restarts < 1 or eng.stats().slots[0].state != "READY"):
+            time.sleep(0.02)
+        st = eng.stats()
+    assert {s.model_version for s in st.slots} == {new} and all(s.state == "READY" for s in st.slots)
+    assert all(r.model_version == new and r.outputs["probs"].tobytes() == ort_run(v2, {"x": x})["probs"].tobytes()
+               for r in res)

@@ -431,6 +431,7 @@ class BaseEngine:
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
+        path = os.path.abspath(path)  # (as Engine() makes it: a slot rebuilt after a chdir opens this file)
         old = self._owner.model_spec()
         if old is None:
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
