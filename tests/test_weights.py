@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from slabpool import Engine
 from slabpool.workers.onnxfiles import external_files
 from slabpool.workers.session import SessionSpec, model_digest
 from slabpool.workers.weights import Pinned, cpu_features, pin
+from tests.models import onnx_models
 from tests.ray_support.plugin import RAY, build
 from tests.reference import litert_run, ort_run
 
@@ -269,6 +272,66 @@ def test_an_unwritable_cache_loads_the_model_directly(models, tmp_path):
         assert "cache unusable" in eng.describe().weights
         res = eng.submit({"x": np.ones((2, 16), np.float32)}).result(timeout=60)
     assert res.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": np.ones((2, 16), np.float32)})["probs"].tobytes()
+
+
+def test_a_model_loaded_directly_is_the_file_that_was_checked(models, tmp_path):
+    """Without a usable cache a slot loads the source itself, checked against the pinned
+    version, through the descriptor it hashed: a deploy that replaces the file between the
+    check and the load is not what it loads (was, a hostile run: the runtime opened the path
+    again, and 15-32 of 17,600 answers came from the new file under the old version)."""
+    import onnxruntime as ort
+
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    onnx_models.mlp(a, seed=1)
+    onnx_models.mlp(b, seed=2)
+    live = tmp_path / "live.onnx"
+    live.write_bytes(a.read_bytes())
+    spec = SessionSpec(str(live), "onnxruntime", digest=model_digest(str(live)))
+    got = pin(spec, "copy")
+    assert got.path.startswith("/proc/self/fd/") and got.digest == spec.digest
+    os.replace(b, live)  # (the deploy, after the check, before the load)
+    x = {"x": np.ones((2, 16), np.float32)}
+    loaded = ort.InferenceSession(got.path).run(None, x)[0]
+    assert loaded.tobytes() == ort_run(a, x)["probs"].tobytes()
+    os.close(int(got.path.rsplit("/", 1)[1]))
+    with pytest.raises(Exception, match="changed on disk since the engine loaded it"):
+        pin(spec, "copy")
+
+
+def test_a_weight_cache_too_full_for_the_prepacked_model_is_bypassed(models, tmp_path):
+    """A cache with room for the model's copy but not for ONNX Runtime's prepacked file: the
+    engine loads the model directly and serves (was: SessionInitError, "Failed to write
+    external initializers to file", at construction and at reload). In a mount namespace with
+    a 160 KiB tmpfs as the cache."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (unshare -m, as root) for a small filesystem")
+    model = onnx_models.mlp(tmp_path / "big.onnx", hidden=1024, seed=5)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(_CACHE_FULL.format(model=str(model), cache=str(cache)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    got = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=160k tmpfs "{cache}" && exec "{sys.executable}" "{script}"'],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)  # (a deadlock guard)
+    assert got.returncode == 0, got.stderr[-4000:]
+    weights, same = got.stdout.strip().splitlines()[-2:]
+    assert "cache unusable" in weights and "no room for the prepacked model" in weights, weights
+    assert same == "True"
+
+
+_CACHE_FULL = """
+import numpy as np
+from slabpool import Engine
+from tests.reference import ort_run
+
+if __name__ == "__main__":
+    x = {{"x": np.ones((2, 16), np.float32)}}
+    with Engine("{model}", workers=2, cache_dir="{cache}") as eng:
+        print(eng.describe().weights)
+        print(eng.submit(x).result(timeout=60).outputs["probs"].tobytes() == ort_run("{model}", x)["probs"].tobytes())
+"""
 
 
 # -- the model's version covers its external data -------------------------------------------------

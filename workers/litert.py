@@ -23,7 +23,7 @@ import numpy as np
 
 from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import AcceleratorUnavailable, SessionSpec
-from slabpool.workers.weights import Pinned, pin
+from slabpool.workers.weights import Pinned, named_as_given, pin
 
 log = logging.getLogger("slabpool.workers")
 
@@ -92,7 +92,7 @@ class LiteRtSession:
             kwargs["experimental_op_resolver_type"] = mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
         if delegates:
             kwargs["experimental_delegates"] = delegates
-        with native_stderr_to_log():
+        with native_stderr_to_log(), named_as_given(self.pinned, spec.path):
             self._interp = mod.Interpreter(**kwargs)
             self._interp.allocate_tensors()  # applies XNNPACK now, in the initializer
         self._in = {d["name"]: d for d in self._interp.get_input_details()}

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import AcceleratorUnavailable, RunTimeout, SessionSpec
-from slabpool.workers.weights import Pinned, cpu_features, pin
+from slabpool.workers.weights import Pinned, cpu_features, named_as_given, pin
 
 _CPU = "CPUExecutionProvider"
 _FATAL = 4  # ORT log severity: only fatal errors are logged
@@ -45,7 +45,8 @@ class OrtSession:
         self.pinned = _pinned(spec, providers)
         if self.pinned.form == "prepacked":  # optimized once, when it was written: re-optimizing it
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # cost 32 MiB of heap
-        self._sess = ort.InferenceSession(self.pinned.path, sess_options=so, providers=providers)
+        with named_as_given(self.pinned, spec.path):
+            self._sess = ort.InferenceSession(self.pinned.path, sess_options=so, providers=providers)
         applied = tuple(self._sess.get_providers())
         accel = [p for p in requested if p != _CPU]
         if accel and not _runs_nodes_on(self._sess, accel):
