@@ -333,3 +333,54 @@ def test_map_counts_items_next_to_tasks(backend, models) -> None:  # type: ignor
     assert st.items_accepted == st.items_completed + st.items_cancelled + st.items_failed
     assert st.items_accepted >= 2010 and st.items_completed >= 2010
     assert st.accepted == st.completed + st.cancelled + st.failed
+
+
+def test_every_row_of_a_call_is_one_models() -> None:
+    """A reload() while infer(batch_size=) runs computes some blocks on the old model and some
+    on the new (a hostile run: 4 of 2,427 calls returned arrays mixing both, and an array
+    names no version). The blocks of another version than the engine's now run again, until
+    every row is one model's; the rows are counted once."""
+    from slabpool.engine.caller.blocks import Piece, gather
+
+    def piece(lo: int, hi: int, version: str) -> Piece:
+        return Piece(lo, hi, outputs={"y": np.full((hi - lo, 2), ord(version), np.float32)}, version=version)
+
+    first = [piece(0, 4, "a"), piece(4, 8, "b"), piece(8, 12, "a"), piece(12, 16, "b")]
+    asked: list[list[tuple[int, int]]] = []
+    now = iter(["a", "b"])  # the engine's version: "a" while the swap goes on, "b" once it has ended
+    served = iter(["b", "b"])  # what the slots run when the blocks go again
+
+    def again(runs: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+        asked.append(runs)
+        v = next(served)
+        return [piece(lo, hi, v) for lo, hi in runs]
+
+    counts: dict[str, int] = {}
+    out = gather(first, 16, lambda **kw: counts.update(kw), again=again, version=lambda: next(now))
+    assert asked == [[(4, 8), (12, 16)], [(0, 4), (8, 12)]]
+    assert (out["y"] == ord("b")).all()
+    assert counts == {"completed": 16, "failed": 0, "cancelled": 0}
+
+
+def test_blocks_during_reloads_are_each_one_models(models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    v2 = onnx_models.mlp(tmp_path / "v2.onnx", seed=3)
+    x = np.random.default_rng(5).standard_normal((64, 16)).astype(np.float32)
+    want = {p: np.concatenate([ort_run(p, {"x": x[i : i + 4]})["probs"] for i in range(0, 64, 4)])
+            for p in (models.mlp, v2)}
+    got: list[np.ndarray] = []
+    with build("local", models.mlp, workers=2) as eng:
+        stop = threading.Event()
+
+        def calls() -> None:
+            while not stop.is_set():
+                got.append(eng.infer({"x": x}, batch_size=4)["probs"])
+
+        t = threading.Thread(target=calls)
+        t.start()
+        for path in (v2, models.mlp, v2):
+            eng.reload(path, timeout=120)
+        stop.set()
+        t.join()
+    assert got and all(any(g.tobytes() == w.tobytes() for w in want.values()) for g in got)

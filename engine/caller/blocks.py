@@ -166,6 +166,7 @@ class Piece:
     hi: int
     outputs: dict[str, Array] | None = None
     error: BaseException | None = None
+    version: str | None = None  # the model version that computed `outputs`
 
 
 Submit = Callable[[int, int, int], "Future[Result]"]  # (lo, hi, step): rows [lo, hi) as one task
@@ -209,7 +210,7 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
                 pending.appendleft((lo, mid, step, _guarded(submit, lo, mid, step)))
                 continue
             sizer.observe(res, hi - lo)
-            yield Piece(lo, hi, outputs=_block_outputs(res.outputs, hi - lo))
+            yield Piece(lo, hi, outputs=_block_outputs(res.outputs, hi - lo), version=res.model_version)
     finally:
         for *_, f in pending:
             f.cancel()
@@ -250,34 +251,37 @@ def _block_outputs(outputs: Any, rows: int) -> dict[str, Array]:
     return outputs
 
 
-def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None]) -> dict[str, Array]:
+def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None],
+           again: Callable[[list[tuple[int, int]]], Iterable[Piece]] | None = None,
+           version: Callable[[], str | None] | None = None) -> dict[str, Array]:
     """Infer's rows put back together: each piece's outputs copied into place as it comes back
-    (while the workers run the next ones), `tally` told what each piece did. The outputs of
+    (while the workers run the next ones), `tally` told what the rows came to. The outputs of
     all `n` rows, or RowsFailed with each failed row's own error and the other rows' outputs
-    (failed rows NaN, 0 for integer outputs)."""
+    (failed rows NaN, 0 for integer outputs).
+
+    Every row's outputs are one model's: a reload() while the call ran computes some blocks on
+    the old model and some on the new (was, a hostile run: 4 of 2,427 calls gave arrays mixing
+    both, and an array names no version). Until they agree, the blocks of any other version than
+    the engine's now (`version()`) run `again`: the swap goes slot by slot, and once it has
+    ended every slot runs the version the engine names."""
     outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
     errors: dict[int, BaseException] = {}
+    done: list[tuple[int, int, str | None]] = []  # rows with outputs, and the version that computed them
     settled = 0
     try:
         for piece in pieces:
             settled += piece.hi - piece.lo
-            if piece.error is not None:
-                errors.update((i, piece.error) for i in range(piece.lo, piece.hi))
-                tally(failed=piece.hi - piece.lo)
-                continue
-            assert piece.outputs is not None
-            if outputs is None:
-                if piece.hi - piece.lo == n:
-                    outputs = piece.outputs  # one block: its arrays as they are
-                else:  # copied in as blocks come back, while the workers run the next ones
-                    outputs = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in piece.outputs.items()}
-            if outputs is not piece.outputs:
-                for k, v in piece.outputs.items():
-                    outputs[k][piece.lo : piece.hi] = v
-            tally(completed=piece.hi - piece.lo)
+            outputs = _put(piece, n, outputs, errors, done)
+        while again is not None and version is not None and len({v for *_, v in done}) > 1:
+            now = version()
+            stale = [(lo, hi) for lo, hi, v in done if v != now]
+            done = [d for d in done if d[2] == now]
+            for piece in again(stale):
+                outputs = _put(piece, n, outputs, errors, done)
     finally:
-        if settled < n:
-            tally(cancelled=n - settled)
+        failed = len(errors)
+        completed = sum(hi - lo for lo, hi, _ in done)
+        tally(completed=completed, failed=failed, cancelled=n - completed - failed)
     if not errors:
         assert outputs is not None
         return outputs
@@ -290,6 +294,26 @@ def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None]) -> dict[
         f"{len(rows)} of {n} rows failed (first: row {rows[0]}, {type(first).__name__}: "
         f"{(str(first).splitlines() or [''])[0]}); .rows, .errors and .outputs hold the rest",
         rows=rows, errors=errors, outputs=outputs)
+
+
+def _put(piece: Piece, n: int, outputs: dict[str, Any] | None, errors: dict[int, BaseException],
+         done: list[tuple[int, int, str | None]]) -> dict[str, Any] | None:
+    """One piece into `outputs` (made at the first: the piece's own arrays when it is every row)
+    or `errors`; the outputs."""
+    if piece.error is not None:
+        errors.update((i, piece.error) for i in range(piece.lo, piece.hi))
+        return outputs
+    assert piece.outputs is not None
+    if outputs is None:
+        if piece.hi - piece.lo == n:
+            outputs = piece.outputs  # one block: its arrays as they are
+        else:  # copied in as blocks come back, while the workers run the next ones
+            outputs = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in piece.outputs.items()}
+    if outputs is not piece.outputs:
+        for k, v in piece.outputs.items():
+            outputs[k][piece.lo : piece.hi] = v
+    done.append((piece.lo, piece.hi, piece.version))
+    return outputs
 
 
 def infer_rows(eng: JobEngine, specs: tuple[TensorSpec, ...], inputs: Any, batch_size: int | str,
@@ -310,7 +334,8 @@ def infer_rows(eng: JobEngine, specs: tuple[TensorSpec, ...], inputs: Any, batch
         return eng._submit(Request(slice_rows(arrays, lo, hi), context, None, block_timeout, 0, step))
 
     eng._tally(accepted=n)
-    return gather(run_blocks(submit, [(0, n)], sizer, window), n, eng._tally)
+    return gather(run_blocks(submit, [(0, n)], sizer, window), n, eng._tally,
+                  again=lambda runs: run_blocks(submit, runs, sizer, window), version=lambda: eng.model_version)
 
 
 def check_blockable(eng: JobEngine, specs: tuple[TensorSpec, ...], arrays: dict[str, Any]) -> None:

@@ -73,6 +73,9 @@ class JobEngine(Protocol):
     @property
     def config(self) -> EngineConfig: ...
 
+    @property
+    def model_version(self) -> str | None: ...
+
     def submit(self, inputs: Any, *, context: dict[str, Any] | None = ..., deadline: float | None = ...,
                block_timeout: float | None = ...) -> Future[Result]: ...
 
