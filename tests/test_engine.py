@@ -283,3 +283,34 @@ def test_many_tasks_of_varied_sizes_stay_byte_identical(models, model, runner):
         results = [f.result(timeout=60) for f in [eng.submit({"x": x}) for x in xs]]
     for x, res in zip(xs, results):
         assert res.outputs["probs"].tobytes() == runner(path, {"x": x})["probs"].tobytes()
+
+
+@pytest.mark.parametrize(("how", "value", "error", "words"), [
+    ("deadline", float("nan"), ValueError, "deadline must be a number of seconds or None, got nan"),
+    ("deadline", True, TypeError, "deadline must be a number of seconds or None, got True"),
+    ("deadline", "1", TypeError, "deadline must be a number of seconds or None, got '1'"),
+    ("block_timeout", float("nan"), ValueError, "block_timeout must be a number of seconds or None, got nan"),
+    ("close", float("nan"), ValueError, "timeout must be a number of seconds >= 0 or None, got nan"),
+    ("reload", float("nan"), ValueError, "timeout must be a number of seconds >= 0 or None, got nan"),
+    ("reload", -1, ValueError, "timeout must be a number of seconds >= 0 or None, got -1"),
+])
+def test_a_time_that_is_no_number_of_seconds_is_refused_where_it_is_given(backend, models, how, value, error, words):
+    """Was (a hostile run): deadline=nan was accepted, and once its task waited in the queue the
+    owner thread's wait raised on it: the engine stopped, every other caller's task failed with
+    it. deadline=True ran as 1 s; close(timeout=nan) raised after it had stopped accepting;
+    reload(timeout=nan) said "still in progress after nan s" at once."""
+    x = {"x": np.ones((2, 16), np.float32)}
+    with build(backend, models.mlp, workers=1, max_batch_size=4, max_batch_wait_ms=5) as eng:
+        held = [eng.submit(x) for _ in range(4)]  # (a task refused while others wait: they are untouched)
+        with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+            if how == "close":
+                eng.close(timeout=value)
+            elif how == "reload":
+                eng.reload(models.mlp, timeout=value)
+            else:
+                eng.submit(x, **{how: value})
+        assert eng.stats().state == "ACCEPTING"
+        want = ort_run(models.mlp, x)["probs"]
+        for f in held:  # (stacked: ORT's bits may depend on the batch's rows, see test_batching)
+            np.testing.assert_allclose(f.result(timeout=60).outputs["probs"], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(eng.infer(x, deadline=5.0)["probs"], want, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import threading
 import weakref
@@ -142,6 +143,9 @@ class BaseEngine:
         the batch job and the tests' faults all build a Request and hand it here. Step 1, the
         input contract, then the backend's `_enqueue` (step 2)."""
         self._check_accepting()
+        if request.deadline is not None or request.block_timeout is not None:
+            seconds("deadline", request.deadline)
+            seconds("block_timeout", request.block_timeout)
         admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
         if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
             item, shape_key, items = admitted
@@ -167,6 +171,7 @@ class BaseEngine:
         `timeout` even so (the last of it, stopping the workers, may then go on in the background)."""
         if self._inherited:  # a forked child's copy: the workers and memory are the parent's
             return
+        seconds("timeout", timeout, at_least=0.0)  # (before anything stops)
         self._stop_accepting()
         owner = self._owner
         owner.call(owner.close, cancel_pending)
@@ -428,6 +433,7 @@ class BaseEngine:
         Raises SessionInitError if the new model fails to load (the old one keeps serving),
         SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False,
         TimeoutError once `timeout` s have passed (the swap goes on)."""
+        seconds("timeout", timeout, at_least=0.0)
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
@@ -498,3 +504,16 @@ class BaseEngine:
             if self._state is EngineState.ACCEPTING:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
+
+
+def seconds(name: str, value: Any, at_least: float = -math.inf) -> None:
+    """A time argument: None, or a real number of seconds (infinity allowed, NaN not: it reached
+    the owner thread's wait and stopped the engine, every caller's task failing with it; a bool
+    read as 1 s). Raises naming the argument and what was got."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if math.isnan(value) or value < at_least:
+        raise ValueError(f"{name} must be a number of seconds" + (f" >= {at_least:g}" if at_least > -math.inf else "")
+                         + f" or None, got {value!r}")
