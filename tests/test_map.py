@@ -6,6 +6,11 @@ chunk (it fails alone), chunk sizes that follow the measured run time, abandonin
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -229,3 +234,34 @@ def test_unordered_map_yields_what_finishes_first(models, tmp_path, backend) -> 
         want = {r.task_id: r.outputs["probs"] for r in eng.map([{"x": it["x"]} for it in items], chunk=1)}
     assert sorted(seen[:5]) == [1, 2, 3, 4, 5] and seen[5] == 0
     assert len(want) == 6
+
+
+def test_a_ctrl_c_while_map_waits_for_a_chunk_leaves_its_items_counted(models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGINT while map() waits for a chunk's task (held in its worker): KeyboardInterrupt, and
+    the chunk's items count as cancelled (was, a hostile run: the chunk was taken off map()'s
+    pending tasks before the wait, so nothing cancelled or counted it; accepted items ran ahead
+    of completed + failed + cancelled for good, by a chunk each interrupt)."""
+    gate, log = tmp_path / "gate", tmp_path / "log"
+    items = [{"x": np.ones((1, 16), np.float32), "gate": str(gate), "log": str(log)} for _ in range(16)]
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:gated") as eng:
+
+        def interrupt_once_held() -> None:
+            deadline = time.monotonic() + 60  # (only a task that never starts reaches it)
+            while not log.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        t = threading.Thread(target=interrupt_once_held)
+        t.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                list(eng.map(items, chunk=16))
+        finally:
+            t.join(60)
+            gate.touch()
+        deadline = time.monotonic() + 60
+        while eng.stats().completed + eng.stats().cancelled < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = eng.stats()
+        assert st.items_accepted == 16 and st.items_completed + st.items_failed + st.items_cancelled == 16, st
+        assert len(list(eng.map([{"x": np.ones((1, 16), np.float32)}] * 3))) == 3  # it serves on

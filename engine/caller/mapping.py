@@ -180,6 +180,11 @@ def _task_parts(
             eng._tally(failed=len(group))
         yield MapPart(len(group), None, exc, start)
         return
+    except BaseException:  # a Ctrl-C while it waits: taken off `pending` already, so cancelled
+        fut.cancel()  # here (was: run on, and a chunk's items never counted: accepted ran ahead of
+        if tally:  # completed + failed + cancelled for good, a hostile run)
+            eng._tally(cancelled=len(group))
+        raise
     pace.observe(res.timings.run, len(group), res.outputs)
     if type(res.outputs) is not Chunk:
         if tally:
