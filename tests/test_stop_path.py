@@ -19,7 +19,7 @@ import pytest
 from slabpool import Engine
 from slabpool.engine.caller import faults
 from slabpool.engine.core.coordinator import MAX_STARTUP_FAILURES
-from slabpool.workers.errors import SessionInitError
+from slabpool.workers.errors import SessionInitError, TaskCancelled
 from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
 from tests.owner_hooks import DEADLOCK_S
@@ -155,6 +155,26 @@ def test_close_with_a_timeout_returns_while_a_rebuilt_worker_hangs(models, tmp_p
         with pytest.raises(CancelledError):
             f.result(timeout=DEADLOCK_S)
     eng._owner.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.05])
+def test_close_with_a_timeout_too_short_to_drain_returns_with_every_future_done(models, tmp_path, timeout):
+    """close(cancel_pending=True, timeout=0): a stacked batch held in its worker is cancelled,
+    and every Future is done when close() returns (was, a hostile run: the abort's cancels were
+    made after it returned, 16 Futures of two held batches not yet done)."""
+    gate = tmp_path / "gate"
+    eng = Engine(models.mlp, workers=1, preprocess="tests.hooks:gated", max_batch_size=8, max_batch_wait_ms=50)
+    try:
+        futs = [eng.submit({"x": np.ones((1, 16), np.float32), "gate": str(gate), "log": str(tmp_path / "ran")})
+                for _ in range(24)]
+        wait_until(lambda: (tmp_path / "ran").exists(), "the first batch held in its worker")
+        eng.close(cancel_pending=True, timeout=timeout)
+        assert all(f.done() for f in futs), sum(not f.done() for f in futs)
+        ended = [f.cancelled() or isinstance(f.exception(), TaskCancelled) for f in futs]
+        assert sum(ended) >= 8  # (the held batch at least: nothing of it ran)
+    finally:
+        gate.touch()
+        eng._owner.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
 
 
 OOM_SCRIPT = '''

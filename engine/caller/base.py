@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Literal, Self, cast, overload
 
 from slabpool.engine.caller import aio, blocks, faults, mapping
@@ -38,6 +38,7 @@ from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import detect_backend, model_digest
 
 log = logging.getLogger("slabpool.engine")
+ABORT_S = 1.0  # close(timeout=) past its time: how long it waits at most for the abort to end every Future
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
@@ -182,7 +183,10 @@ class BaseEngine:
         else:  # the last fifth of the time (2 s at most) is kept to cancel what runs, stop its slots
             stop_s = min(timeout / 5, 2.0)
             if not owner.join(timeout - stop_s):
-                owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+                aborted = owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+                # its Futures ended: the owner thread takes the call within microseconds (was, with
+                # timeout=0: close() returned with tasks of a stopped worker not yet done, a hostile run)
+                wait([aborted], timeout=max(stop_s, ABORT_S))
                 if not owner.join(stop_s):
                     log.warning("close(timeout=%s) returns while the workers are still being stopped", timeout)
                     return

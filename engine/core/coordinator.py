@@ -94,8 +94,10 @@ class Coordinator:
         return cancelled
 
     def abort(self, reason: str) -> None:
-        """close() ran out of time: cancel everything, stop every worker now."""
+        """close() ran out of time: cancel everything, stop every worker now. Its callers are
+        told before this returns (close() waits for it: every Future done when it returns)."""
         self.ledger.abort_in_hand(reason)
+        self.ledger.flush()
         for slot in self.slots:
             self.kill(slot, KillReason.SHUTDOWN, 0.2)
 
