@@ -214,7 +214,8 @@ def _pin_in_child(path: str, cache: str, how: str, log: str = "") -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
         got = _pin_prepacked(spec)
-        assert got.path == path and not got.shared and "cache unusable" in got.note, got
+        loaded = os.readlink(got.path)  # (the source itself, through the descriptor it was hashed from)
+        assert loaded == os.path.realpath(path) and not got.shared and "cache unusable" in got.note, got
     else:
         got = _pin_prepacked(spec, _counting(log))
         with open(log, "a") as f:

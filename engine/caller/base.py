@@ -13,20 +13,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import os
 import threading
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
 from slabpool.engine.caller import aio, blocks, faults, mapping
 from slabpool.engine.caller.calls import InitSignature, check_constructor, not_a_function, public
-from slabpool.engine.caller.handles import Owner, TaskFuture, applier
+from slabpool.engine.caller.handles import Owner, TaskFuture, applier, close_within
 from slabpool.engine.caller.request import Admitted, Outputs, Request, as_block
 from slabpool.engine.core.admission import TaskQueue
-from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve
+from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve, seconds, waits
 from slabpool.engine.core.metrics import Histogram, Metrics, render
 from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.states import EngineState, TaskState
@@ -38,7 +37,6 @@ from slabpool.workers.protocol import SessionInfo, TensorSpec
 from slabpool.workers.session import detect_backend, model_digest
 
 log = logging.getLogger("slabpool.engine")
-ABORT_S = 1.0  # close(timeout=) past its time: how long it waits at most for the abort to end every Future
 
 Hook = Callable[..., Any] | str | None  # a module-level function, or "module:function"
 
@@ -145,8 +143,7 @@ class BaseEngine:
         input contract, then the backend's `_enqueue` (step 2)."""
         self._check_accepting()
         if request.deadline is not None or request.block_timeout is not None:
-            seconds("deadline", request.deadline)
-            seconds("block_timeout", request.block_timeout)
+            waits(request.deadline, request.block_timeout)
         admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
         if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
             item, shape_key, items = admitted
@@ -180,16 +177,9 @@ class BaseEngine:
             return
         if timeout is None:
             owner.join(None)
-        else:  # the last fifth of the time (2 s at most) is kept to cancel what runs, stop its slots
-            stop_s = min(timeout / 5, 2.0)
-            if not owner.join(timeout - stop_s):
-                aborted = owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
-                # its Futures ended: the owner thread takes the call within microseconds (was, with
-                # timeout=0: close() returned with tasks of a stopped worker not yet done, a hostile run)
-                wait([aborted], timeout=max(stop_s, ABORT_S))
-                if not owner.join(stop_s):
-                    log.warning("close(timeout=%s) returns while the workers are still being stopped", timeout)
-                    return
+        elif not close_within(owner, timeout):
+            log.warning("close(timeout=%s) returns while the workers are still being stopped", timeout)
+            return
         self._after_close()
 
     def _after_close(self) -> None:
@@ -438,10 +428,9 @@ class BaseEngine:
         SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False,
         TimeoutError once `timeout` s have passed (the swap goes on)."""
         seconds("timeout", timeout, at_least=0.0)
-        path = os.fspath(model)
+        path = os.path.abspath(model)  # (as Engine() makes it: a slot rebuilt after a chdir opens this file)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"model file not found: {path}")
-        path = os.path.abspath(path)  # (as Engine() makes it: a slot rebuilt after a chdir opens this file)
+            raise FileNotFoundError(f"model file not found: {os.fspath(model)}")
         old = self._owner.model_spec()
         if old is None:
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
@@ -509,15 +498,3 @@ class BaseEngine:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
 
-
-def seconds(name: str, value: Any, at_least: float = -math.inf) -> None:
-    """A time argument: None, or a real number of seconds (infinity allowed, NaN not: it reached
-    the owner thread's wait and stopped the engine, every caller's task failing with it; a bool
-    read as 1 s). Raises naming the argument and what was got."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
-    if math.isnan(value) or value < at_least:
-        raise ValueError(f"{name} must be a number of seconds" + (f" >= {at_least:g}" if at_least > -math.inf else "")
-                         + f" or None, got {value!r}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from slabpool.engine.core.task import Result, Task
@@ -37,6 +37,23 @@ class Owner(Protocol):
     def model_spec(self) -> SessionSpec | None: ...
 
     def start_reload(self, plan: Any) -> None: ...  # the backend's own `_reload_plan`
+
+
+ABORT_S = 1.0  # close(timeout=) past its time: how long it waits at most for the abort to end every Future
+
+
+def close_within(owner: Owner, timeout: float) -> bool:
+    """close(timeout=)'s wait, once the owner was asked to close: its drain, and past all but the
+    last fifth of the time (2 s at most) what still runs is cancelled and its slots stopped. Its
+    Futures have ended when this returns (ABORT_S at most: the owner takes the call within
+    microseconds; was, with timeout=0, close() returned with tasks of a held worker not yet
+    done, a hostile run). False: the workers are still being stopped (in the background)."""
+    stop_s = min(timeout / 5, 2.0)
+    if owner.join(timeout - stop_s):
+        return True
+    aborted = owner.call(owner.abort, f"close(timeout={timeout}) expired before the task ended")
+    wait([aborted], timeout=max(stop_s, ABORT_S))
+    return owner.join(stop_s)
 
 
 def applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], None]:

@@ -239,6 +239,25 @@ def _number(value: Any, *, lo: float, lo_open: bool = False, integral: bool = Fa
     return (value > lo if lo_open else value >= lo) and value <= hi
 
 
+def seconds(name: str, value: Any, at_least: float = -math.inf) -> None:
+    """A time argument: None, or a real number of seconds (infinity allowed, NaN not: it reached
+    the owner thread's wait and stopped the engine, every caller's task failing with it; a bool
+    read as 1 s). Raises naming the argument and what was got."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if math.isnan(value) or value < at_least:
+        raise ValueError(f"{name} must be a number of seconds" + (f" >= {at_least:g}" if at_least > -math.inf else "")
+                         + f" or None, got {value!r}")
+
+
+def waits(deadline: Any, block_timeout: Any) -> None:
+    """A task's `deadline` and `block_timeout`, each checked by `seconds`."""
+    seconds("deadline", deadline)
+    seconds("block_timeout", block_timeout)
+
+
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
