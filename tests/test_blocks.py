@@ -347,8 +347,8 @@ def test_every_row_of_a_call_is_one_models() -> None:
 
     first = [piece(0, 4, "a"), piece(4, 8, "b"), piece(8, 12, "a"), piece(12, 16, "b")]
     asked: list[list[tuple[int, int]]] = []
-    now = iter(["a", "b"])  # the engine's version: "a" while the swap goes on, "b" once it has ended
-    served = iter(["b", "b"])  # what the slots run when the blocks go again
+    now = iter(["a", "b"])  # the engine's version (a tie's decider): "a" while the swap goes on, then "b"
+    served = iter(["b", "b"])  # what the slots run when the blocks go again: the swapped one
 
     def again(runs: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
         asked.append(runs)
@@ -360,6 +360,13 @@ def test_every_row_of_a_call_is_one_models() -> None:
     assert asked == [[(4, 8), (12, 16)], [(0, 4), (8, 12)]]
     assert (out["y"] == ord("b")).all()
     assert counts == {"completed": 16, "failed": 0, "cancelled": 0}
+    # a swap held up (a slot hangs in its start): the engine still names "a", the serving slot
+    # runs "b"; the rows go to "b", the most rows' version, in one round (not again and again)
+    asked.clear()
+    served = iter(["b"])
+    out = gather([piece(0, 4, "a"), piece(4, 16, "b")], 16, lambda **kw: counts.update(kw), again=again,
+                 version=lambda: "a")
+    assert asked == [[(0, 4)]] and (out["y"] == ord("b")).all()
 
 
 def test_blocks_during_reloads_are_each_one_models(models, tmp_path) -> None:  # type: ignore[no-untyped-def]

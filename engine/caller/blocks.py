@@ -261,9 +261,12 @@ def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None],
 
     Every row's outputs are one model's: a reload() while the call ran computes some blocks on
     the old model and some on the new (was, a hostile run: 4 of 2,427 calls gave arrays mixing
-    both, and an array names no version). Until they agree, the blocks of any other version than
-    the engine's now (`version()`) run `again`: the swap goes slot by slot, and once it has
-    ended every slot runs the version the engine names."""
+    both, and an array names no version). Until they agree, the blocks of the other versions than
+    the one most rows have (on a tie, the engine's now: `version()`) run `again`. A reload's
+    slots swap one by one to the new model and a failed one rolls them back, so each round moves
+    rows to the version the serving slots run (the majority, not the engine's version: that one
+    changes only when the swap has ended, and a slot that hangs in its start could hold it
+    back for minutes while every block ran again on the slots already swapped)."""
     outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
     errors: dict[int, BaseException] = {}
     done: list[tuple[int, int, str | None]] = []  # rows with outputs, and the version that computed them
@@ -273,9 +276,13 @@ def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None],
             settled += piece.hi - piece.lo
             outputs = _put(piece, n, outputs, errors, done)
         while again is not None and version is not None and len({v for *_, v in done}) > 1:
-            now = version()
-            stale = [(lo, hi) for lo, hi, v in done if v != now]
-            done = [d for d in done if d[2] == now]
+            held: dict[str | None, int] = {}  # rows of each version
+            for lo, hi, v in done:
+                held[v] = held.get(v, 0) + hi - lo
+            engine_now = version()
+            keep = max(held, key=lambda v: (held[v], v == engine_now))
+            stale = [(lo, hi) for lo, hi, v in done if v != keep]
+            done = [d for d in done if d[2] == keep]
             for piece in again(stale):
                 outputs = _put(piece, n, outputs, errors, done)
     finally:
