@@ -372,8 +372,10 @@ def test_sigterm_drains_what_was_accepted_then_exits_0(models, tmp_path):
             wait_for(lambda: metric(srv, "slabpool_tasks_accepted_total") >= 2, "two accepted requests")
             srv.proc.send_signal(signal.SIGTERM)
             wait_for(lambda: httpx.get(f"{srv.url}/v2/health/ready").status_code == 503, "ready to turn false")
-            status, msg = post(srv, _x(62))
-            assert status == 503 and "draining" in msg
+            with httpx.Client() as keep:  # (keep-alive: the answer closes it, the client does not reuse it)
+                r = keep.post(f"{srv.url}/v2/models/mlp/infer", json=_body(_x(62)))
+                assert r.status_code == 503 and "draining" in r.json()["error"]
+                assert r.headers["connection"] == "close", r.headers  # (was: kept, then closed under the client)
             assert grpc_infer(srv, _x(63))[0] == "UNAVAILABLE"
             release.touch()
             for i, f in enumerate(held):

@@ -53,6 +53,8 @@ log = logging.getLogger("slabpool.engine.serve")
 HEADER_LENGTH = b"inference-header-content-length"
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
 _JSON = b"application/json"
+# a draining server's answers close their connection (was: kept, and a keep-alive client sent its next request on it)
+_CLOSE = ((b"connection", b"close"),)
 _BINARY = b"application/octet-stream"
 _METRICS = CONTENT_TYPE.encode()
 
@@ -162,19 +164,17 @@ class HttpApp:
         except ServeError as exc:
             if exc.status is not Status.CANCELLED:
                 err = orjson.dumps({"error": str(exc)})
-                await respond(exc.status.http, err, _headers(err, _JSON))
+                await respond(exc.status.http, err, _headers(err, _JSON, closing=fe.draining))
             fe.record(name, "http", exc.status, started, request_id)
             return
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the connection lives on
             status, why = _internal(exc)
             err = orjson.dumps(why)
-            await respond(status.http, err, _headers(err, _JSON))
+            await respond(status.http, err, _headers(err, _JSON, closing=fe.draining))
             fe.record(name, "http", status, started, request_id)
             return
-        if header_len is None:
-            await respond(200, payload, _headers(payload, _JSON))
-        else:
-            await respond(200, payload, _headers(payload, _BINARY, (HEADER_LENGTH, b"%d" % header_len)))
+        extra = () if header_len is None else ((HEADER_LENGTH, b"%d" % header_len),)
+        await respond(200, payload, _headers(payload, _BINARY if extra else _JSON, *extra, closing=fe.draining))
         fe.record(name, "http", Status.OK, started, request_id)
 
 
@@ -187,8 +187,8 @@ def _is_infer(parts: list[str]) -> bool:
     return len(parts) >= 4 and parts[1] == "models" and parts[0] == "v2" and parts[-1] == "infer"
 
 
-def _headers(body: bytes, ctype: bytes, *extra: tuple[bytes, bytes]) -> Headers:
-    return [(b"content-type", ctype), (b"content-length", b"%d" % len(body)), *extra]
+def _headers(body: bytes, ctype: bytes, *extra: tuple[bytes, bytes], closing: bool = False) -> Headers:
+    return [(b"content-type", ctype), (b"content-length", b"%d" % len(body)), *extra, *(_CLOSE if closing else ())]
 
 
 def _asgi(send: Send) -> Respond:
