@@ -101,7 +101,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   `infer`, `map`, `cancel`, `shutdown`). `map()` sends tiny items many to a task (a Chunk: one
   outcome per item); `infer(feeds, batch_size=)` and the batch job send rows on axis 0 as
   contiguous blocks, a session call each, several to a task, cut down to rows when a task
-  fails (`blocks`); `combine` makes the plain infer() calls that queue under load one task a
+  fails, every row of a call from one model version (blocks a reload swapped under it run
+  again: `blocks`); `combine` makes the plain infer() calls that queue under load one task a
   group (a local engine's; a RayEngine's go alone).
 - `engine.local`: `pool.Engine` (steps 1-2; `staged.Staged` is a task's inputs in the input
   arena) and its `supervisor` (the core's owner on `transport.LocalTransport`: spawn, reap,
@@ -118,7 +119,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   has drained, as a local slot's process is).
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
   Inference Protocol over HTTP and gRPC, on the public API (one engine per model).
-- `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b).
+- `slabpool.workers.weights`: the pinned, shared form of the model every worker loads (step b);
+  with no usable cache, the source itself, loaded through the descriptor its version was read from.
 - `slabpool.workers.main`: the worker loop (`slabpool.workers.lean`: one plain task in the fewest
   steps, its session call or its calls of `step` rows); `slabpool.workers.pipeline` the steps 5-7 every kind
   of worker runs (preprocess -> contract -> run -> postprocess); one session per process.

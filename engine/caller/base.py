@@ -497,4 +497,3 @@ class BaseEngine:
             if self._state is EngineState.ACCEPTING:
                 self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED
-

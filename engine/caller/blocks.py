@@ -270,10 +270,8 @@ def gather(pieces: Iterable[Piece], n: int, tally: Callable[..., None],
     outputs: dict[str, Any] | None = None  # every row's outputs, filled as the blocks come back
     errors: dict[int, BaseException] = {}
     done: list[tuple[int, int, str | None]] = []  # rows with outputs, and the version that computed them
-    settled = 0
     try:
         for piece in pieces:
-            settled += piece.hi - piece.lo
             outputs = _put(piece, n, outputs, errors, done)
         while again is not None and version is not None and len({v for *_, v in done}) > 1:
             held: dict[str | None, int] = {}  # rows of each version

@@ -401,7 +401,7 @@ class JobRun:
             error = f"stopped: {self.stopped}; first error: " + (f"{first.error}: {first.message}" if first else "-")
         elif changed is not None or (not complete and not signalled):
             status, error = 1, self._input_changed(changed, store.settled_count(), count)
-        elif not complete or signalled:
+        elif signalled:
             self.interrupted = self.intr.signum
             status = 128 + self.intr.signum if self.intr.signum else 130
         else:

@@ -234,12 +234,10 @@ class JoinedHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[status]]
         for name, value in cycle.default_headers:
             head += (name, b": ", value, b"\r\n")
-        said = False  # the app's own Connection: close (a draining server's: http.py)
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
-            said = said or (name == b"connection" and value == b"close")
-        if said:  # (as uvicorn's send reads it: the connection ends with this answer)
-            cycle.keep_alive = False
+        if (b"connection", b"close") in headers:  # the app's own (a draining server's: http.py), as
+            cycle.keep_alive = False  # uvicorn's send reads it: the connection ends with this answer
         elif not cycle.keep_alive:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")

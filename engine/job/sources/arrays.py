@@ -22,6 +22,7 @@ from slabpool.engine.job.sources.base import (
     file_fingerprint,
     folder_fingerprint,
     input_changed,
+    what_changed,
 )
 
 # -- arrays ----------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ class NpySource(Source):
         except OSError:
             return  # (removed, or replaced and gone: the mapping holds the file it was; the job's end says so)
         if size < self._length:
-            raise JobError(input_changed(f"{self.path} was {self.fingerprint['size']:,} bytes, now {size:,}"))
+            raise JobError(input_changed(what_changed(self.fingerprint, {**self.fingerprint, "size": size})))
 
     def blocks(self, size: int) -> Iterator[Block]:
         for s, e in block_bounds(self.count, size):
@@ -95,24 +96,32 @@ class NpzSource(Source):
 # -- folders ---------------------------------------------------------------------------------------
 
 
-class ArrayFolderSource(Source):
-    """No hook: each .npy/.npz file (top level, by name) is one item's array(s)."""
+class _Folder(Source):
+    """A folder whose files (`_hold`) are its items; its fingerprint is each file's."""
 
-    kind = "a folder of .npy/.npz files"
     keepable = ("path",)
+    files: list[Path]
 
-    def __init__(self, path: Path, hook: bool) -> None:
-        super().__init__(path, hook)
-        self.files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".npz") and p.is_file())
-        if not self.files:
-            raise JobError(f"{path} holds no .npy or .npz files; a folder of other files needs "
-                           "--preprocess MOD:FN (it gets each file's path)")
-        self.count = len(self.files)
-        self.fingerprint = folder_fingerprint(path, self.files)
+    def _hold(self, path: Path, files: list[Path]) -> None:
+        self.files, self.count, self.fingerprint = files, len(files), folder_fingerprint(path, files)
 
     def fingerprint_now(self) -> dict[str, Any]:
         assert self.path is not None
         return folder_fingerprint(self.path, self.files)
+
+
+class ArrayFolderSource(_Folder):
+    """No hook: each .npy/.npz file (top level, by name) is one item's array(s)."""
+
+    kind = "a folder of .npy/.npz files"
+
+    def __init__(self, path: Path, hook: bool) -> None:
+        super().__init__(path, hook)
+        files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".npz") and p.is_file())
+        if not files:
+            raise JobError(f"{path} holds no .npy or .npz files; a folder of other files needs "
+                           "--preprocess MOD:FN (it gets each file's path)")
+        self._hold(path, files)
 
     def _batched(self, name: str, a: Array) -> Array:
         """A batch axis is added when the array has one dimension less than the model input."""
@@ -138,24 +147,17 @@ class ArrayFolderSource(Source):
             yield Block(s, e - s, items=self.files[s:e], load=self._load, keep=keep)
 
 
-class FileFolderSource(Source):
+class FileFolderSource(_Folder):
     """With a hook: every regular file under the folder (recursively, by relative path)."""
 
     kind = "a folder of files"
-    keepable = ("path",)
 
     def __init__(self, path: Path, hook: bool) -> None:
         super().__init__(path, hook)
         files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise JobError(f"{path} holds no files")
-        self.files = files
-        self.count = len(files)
-        self.fingerprint = folder_fingerprint(path, files)
-
-    def fingerprint_now(self) -> dict[str, Any]:
-        assert self.path is not None
-        return folder_fingerprint(self.path, self.files)
+        self._hold(path, files)
 
     def blocks(self, size: int) -> Iterator[Block]:
         assert self.path is not None

@@ -4,8 +4,8 @@ A file is read twice, front to back, never held whole: once at the start to coun
 (and check that it is UTF-8), then in blocks as the job goes, READ_CHARS at a time (decoding
 and newlines, `\\n`, `\\r\\n` or `\\r`, are handled in C; no Python per line but a split and a
 test for blank). stdin cannot be read twice: it is kept in memory, and so is a pipe given as
-INPUT (`<(zcat in.jsonl.gz)`, a FIFO, /dev/stdin), whose second read found nothing. A line travels to the
-workers as it is, a str; a JSONL line is parsed there (`decode`, before the hook), so the
+INPUT (`<(zcat in.jsonl.gz)`, a FIFO, /dev/stdin), whose second read found nothing. A line
+travels to the workers as it is, a str; a JSONL line is parsed there (`decode`, before the hook), so the
 caller pays neither the parsing nor the pickling of what it parses to. A line that is not JSON
 fails alone, as any item the hook fails on.
 """
@@ -52,8 +52,9 @@ class LinesSource(Source):
     def _open(self) -> IO[str]:
         # utf-8-sig: a byte order mark at the start (Windows editors write one) is not part of
         # the first line (it was, and a JSONL file's first item failed: "Unexpected UTF-8 BOM")
-        if self._data is not None or self.path is None:
-            return io.TextIOWrapper(io.BytesIO(self._data or b""), encoding="utf-8-sig")
+        if self._data is not None:
+            return io.TextIOWrapper(io.BytesIO(self._data), encoding="utf-8-sig")
+        assert self.path is not None
         return open(self.path, encoding="utf-8-sig")  # universal newlines: each ending reads as \n
 
     def _pieces(self, *, numbered: bool) -> Iterator[tuple[list[str], list[int]]]:
