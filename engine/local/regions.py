@@ -1,7 +1,8 @@
 """Output regions: where in the output arena each batch's worker writes its outputs.
 
 A batch is sent with a region sized like the outputs of the last batch of the same shapes
-(`lease_predicted`), so the worker rarely has to ask. When it does ask (NeedOutput, step 7),
+(`lease_predicted`; a group of a composition never seen: the sum of its tasks' alone), so the
+worker rarely has to ask. When it does ask (NeedOutput, step 7),
 `on_need` decides: a region of that size, a wait for space, a split (a batch of several tasks
 needing more than half the arena goes back to the queue in halves, uncharged), or a refusal
 (one task's outputs larger than the whole arena, or an arena that cannot grow to hold them:
@@ -62,7 +63,7 @@ class OutputRegions:
         """A region sized like the last outputs of a batch of the same shapes. Batches sent
         ahead of the running one may hold at most half the arena: the other half is always
         there for a running batch's NeedOutput."""
-        want = self._predicted.get(batch_key(sent.batch))
+        want = self._predicted.get(batch_key(sent.batch)) or self._summed(sent.batch)
         if not want:
             return None
         if ahead and self.arena.used + want > self.arena.capacity // 2:
@@ -73,6 +74,20 @@ class OutputRegions:
             return None
         sent.out_lease = lease
         return lease
+
+    def _summed(self, batch: Batch) -> int:
+        """A group's outputs, never seen in this composition (its size is the queue's depth at
+        the time), as the sum of its tasks' alone: each task's outputs are laid out one after
+        another, 64-byte aligned, as a batch of one lays them. 0: some task's size is unknown."""
+        if batch.stack or len(batch.tasks) == 1:
+            return 0
+        total = 0
+        for t in batch.tasks:
+            one = self._predicted.get(((t.shape_key, t.rows),))
+            if not one:
+                return 0
+            total += one
+        return total
 
     def on_need(self, sent: Sent, nbytes: int) -> OutputGrant | None:
         """The answer to a worker's NeedOutput; None: no room now (sent.out_wanted is set,
