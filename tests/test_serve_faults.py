@@ -362,7 +362,8 @@ def _third_request(srv: Server, transport: str) -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_what_was_accepted_then_exits_0(models, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_drains_what_was_accepted_then_exits_0(models, tmp_path, sig):
     srv = Server(f"mlp={models.mlp}", "--workers", "1", "--drain-timeout", "60", "--access-log", *HOOKS)
     _servers.append(srv)
     release = tmp_path / "release"
@@ -370,11 +371,11 @@ def test_sigterm_drains_what_was_accepted_then_exits_0(models, tmp_path):
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(post, srv, _x(60 + i), f"hold:{release}") for i in range(2)]
             wait_for(lambda: metric(srv, "slabpool_tasks_accepted_total") >= 2, "two accepted requests")
-            srv.proc.send_signal(signal.SIGTERM)
+            srv.proc.send_signal(sig)
             wait_for(lambda: httpx.get(f"{srv.url}/v2/health/ready").status_code == 503, "ready to turn false")
             with httpx.Client() as keep:  # (keep-alive: the answer closes it, the client does not reuse it)
                 r = keep.post(f"{srv.url}/v2/models/mlp/infer", json=_body(_x(62)))
-                assert r.status_code == 503 and "draining" in r.json()["error"]
+                assert r.status_code == 503 and f"draining ({sig.name})" in r.json()["error"]
                 assert r.headers["connection"] == "close", r.headers  # (was: kept, then closed under the client)
             assert grpc_infer(srv, _x(63))[0] == "UNAVAILABLE"
             release.touch()

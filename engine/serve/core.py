@@ -79,6 +79,7 @@ class Frontend:
         self.metrics = metrics
         self.log_access = log_access
         self.draining = False
+        self.drained_by = "SIGTERM"  # what began the drain (the signal's name), for the 503's words
         self.inflight = 0
         self._idle: asyncio.Event | None = None
         self._names = frozenset(repo)  # the models are fixed at start (a reload keeps the name)
@@ -159,7 +160,7 @@ class Frontend:
         here, not in a helper coroutine: each level is a frame to enter and leave on the
         request's path (docs/serve.md)."""
         if self.draining:
-            raise Unavailable("the server is draining (SIGTERM): it accepts no new request")
+            raise Unavailable(f"the server is draining ({self.drained_by}): it accepts no new request")
         served = self.repo[req.model]
         served.check_version(req.version)
         if req.outputs is not None:

@@ -91,8 +91,13 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         await asyncio.sleep(0.01)
     _freeze_startup_heap()
     stop = asyncio.Event()
+
+    def stop_on(sig: signal.Signals) -> None:
+        fe.drained_by = sig.name
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_all(fe)))
     http_port = sock.getsockname()[1]
     announce(f"slabpool serve: HTTP on http://{listen.host}:{http_port}, gRPC on {listen.host}:{grpc_port}; "
