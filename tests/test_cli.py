@@ -36,7 +36,7 @@ DEADLINE = 120  # only a hang reaches it
 
 def slabpool(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *map(str, args)], cwd=cwd or REPO, env=ENV, capture_output=True,
-                          text=True, timeout=DEADLINE)
+                          text=True, errors="surrogateescape", timeout=DEADLINE)  # (a name of no UTF-8 text)
 
 
 def engine_map(model: Path | None, items: list[Any], preprocess: str | None = None) -> list[dict[str, Any]]:

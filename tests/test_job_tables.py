@@ -222,3 +222,32 @@ def test_csv_rows_read_as_spans_around_a_bad_row(tmp_path: Path) -> None:
     with pytest.raises(LookupError):
         reader.read(1, 4)
     np.testing.assert_array_equal(reader.read(8, 10)["b"], [8, 9])
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow"])
+def test_table_paths_that_are_no_utf8_text(kind: str, tmp_path: Path, models: SimpleNamespace) -> None:
+    """Linux names are bytes: a Latin-1 INPUT or OUTPUT name (no UTF-8 text) reads and writes
+    as any other. pyarrow opens names as UTF-8 only: was UnicodeEncodeError after the job ran,
+    exit 1, OUTPUT not written."""
+    import os
+
+    x = RNG.standard_normal((300, 16)).astype(np.float32)
+    src = tmp_path / os.fsdecode(b"caf\xe9." + kind.encode())
+    made = tmp_path / f"t.{kind}"  # (pyarrow writes no such name either)
+    if kind == "parquet":
+        pq.write_table(pa.table({"x": fixed(x)}), made)
+    elif kind == "arrow":
+        feather.write_feather(pa.table({"x": fixed(x)}), str(made))
+    else:
+        from pyarrow import csv
+
+        csv.write_csv(pa.table({f"c{i}": x[:, i] for i in range(16)}), str(made))
+    made.rename(src)
+    out = tmp_path / os.fsdecode(b"r\xe9sultat.parquet")
+    cols = ["--columns", "x=" + ",".join(f"c{i}" for i in range(16))] if kind == "csv" else []
+    p = slabpool("run", models.mlp, src, "-o", out, "--workers", 2, "--batch-size", 100, *cols)
+    assert p.returncode == 0, p.stderr
+    t = pq.read_table(pa.BufferReader(out.read_bytes()))
+    want = serial_blocks(models.mlp, {"x": x}, 100)
+    for name in ("probs", "logits"):
+        assert column(t, name).tobytes() == want[name].tobytes(), name

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from slabpool.engine.job.sources import JobError, require_pyarrow
+from slabpool.engine.job.sources.base import arrow_opened
 
 Array = npt.NDArray[Any]
 Schema = dict[str, tuple[str, tuple[int, ...]]]  # output name -> (dtype str, row shape); "py": as is
@@ -115,17 +116,24 @@ def write_shard(f: IO[bytes], indices: Array, columns: dict[str, Any], failed: l
 
 def shard_schema(path: Path) -> Schema | None:
     """The job's output schema as recorded in a shard (None if it holds failures only)."""
-    import pyarrow.parquet as pq
-
-    meta = pq.read_schema(path).metadata or {}
+    meta = _read_schema(path).metadata or {}
     raw = json.loads(meta.get(SCHEMA_KEY, b"{}"))
     return {k: (d, tuple(s)) for k, (d, s) in raw.items()} or None
+
+
+def _read_schema(path: Path) -> Any:
+    """A shard's schema (its path may be no UTF-8 text: arrow_opened)."""
+    import pyarrow.parquet as pq
+
+    with arrow_opened(path) as name:
+        return pq.read_schema(name)
 
 
 def shard_indices(path: Path) -> Array:
     import pyarrow.parquet as pq
 
-    return np.asarray(pq.read_table(path, columns=[INDEX_KEY]).column(INDEX_KEY).to_numpy())
+    with arrow_opened(path) as name:
+        return np.asarray(pq.read_table(name, columns=[INDEX_KEY]).column(INDEX_KEY).to_numpy())
 
 
 def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes],
@@ -135,7 +143,7 @@ def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes]
     pa = require_pyarrow("a .parquet OUTPUT")
     import pyarrow.parquet as pq
 
-    schemas = [pq.read_schema(p) for p in shards]
+    schemas = [_read_schema(p) for p in shards]
     try:
         unified = pa.unify_schemas([s.remove_metadata() for s in schemas], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -148,7 +156,8 @@ def assemble(shards: list[Path], count: int, keep: tuple[str, ...], f: IO[bytes]
 
     @lru_cache(maxsize=4)
     def table(k: int) -> Any:
-        t = pq.read_table(shards[k])
+        with arrow_opened(shards[k]) as name:
+            t = pq.read_table(name)
         for name in order:  # a shard of failures only has no output columns
             if name not in t.column_names:
                 t = t.append_column(schema.field(name), pa.nulls(t.num_rows, schema.field(name).type))

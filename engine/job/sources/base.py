@@ -17,8 +17,11 @@ row a span of its own, holding the error (`SpanRows`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +55,39 @@ def require_pyarrow(what: str) -> Any:
     except ImportError:
         raise JobError(f"{what} needs pyarrow: pip install 'slabpool[parquet]'") from None
     return pyarrow
+
+
+def arrow_name(path: Path, owner: object) -> str:
+    """`path` as pyarrow opens a file by name: UTF-8 text only. A name that is not (bytes that
+    decode to no text, as a Latin-1 file name has) is reached through a descriptor opened here
+    and held while `owner` lives: /proc/self/fd/N, which pyarrow opens at its own offset. Was:
+    UnicodeEncodeError out of pyarrow, after the job had run."""
+    if _utf8(str(path)):
+        return str(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    weakref.finalize(owner, os.close, fd)
+    return f"/proc/self/fd/{fd}"
+
+
+@contextlib.contextmanager
+def arrow_opened(path: Path) -> Iterator[str]:
+    """`arrow_name` for one read: its descriptor (if any) is closed after it."""
+    if _utf8(str(path)):
+        yield str(path)
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass

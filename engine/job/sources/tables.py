@@ -20,6 +20,7 @@ from slabpool.engine.job.sources.base import (
     Source,
     Span,
     SpanRows,
+    arrow_name,
     file_fingerprint,
     prefetch,
     require_pyarrow,
@@ -37,6 +38,7 @@ class TableSource(Source):
     def __init__(self, path: Path, hook: bool) -> None:
         super().__init__(path, hook)
         self.pa = require_pyarrow(f"reading {path.name}")
+        self.name = arrow_name(path, self)  # (the path, as pyarrow opens it)
         self.fingerprint = file_fingerprint(path)
         self.schema = self._schema()
         self.keepable = tuple(self.schema.names)
@@ -252,7 +254,7 @@ class ParquetSource(TableSource):
     def _file(self) -> Any:
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(self.path)
+        return pq.ParquetFile(self.name)
 
     def _schema(self) -> Any:
         return self._file().schema_arrow
@@ -269,25 +271,25 @@ class ArrowSource(TableSource):
     def __init__(self, path: Path, hook: bool) -> None:
         super().__init__(path, hook)
         try:
-            r = self.pa.ipc.open_file(self.path)
+            r = self.pa.ipc.open_file(self.name)
             self.count = sum(r.get_batch(i).num_rows for i in range(r.num_record_batches))
         except self.pa.ArrowInvalid:
             self.count = sum(b.num_rows for b in self._stream(None))
 
     def _stream(self, columns: list[str] | None) -> Iterator[Any]:
         try:
-            r = self.pa.ipc.open_file(self.path)
+            r = self.pa.ipc.open_file(self.name)
             batches: Iterator[Any] = (r.get_batch(i) for i in range(r.num_record_batches))
         except self.pa.ArrowInvalid:
-            batches = iter(self.pa.ipc.open_stream(self.path))
+            batches = iter(self.pa.ipc.open_stream(self.name))
         for b in batches:
             yield b.select(columns) if columns is not None else b
 
     def _schema(self) -> Any:
         try:
-            return self.pa.ipc.open_file(self.path).schema
+            return self.pa.ipc.open_file(self.name).schema
         except self.pa.ArrowInvalid:
-            return self.pa.ipc.open_stream(self.path).schema
+            return self.pa.ipc.open_stream(self.name).schema
 
     def _batches(self, columns: list[str] | None, size: int) -> Iterator[Any]:
         yield from self._stream(columns)
@@ -325,7 +327,7 @@ class CsvSource(TableSource):
         # an empty line is a row (a null cell: it fails alone), not skipped as pyarrow's default
         # has it: a one-column CSV with an empty cell lost that row, and every later row took
         # the output of the one before it (exit 0, nothing said)
-        return csv.open_csv(self.path, read_options=csv.ReadOptions(block_size=self.BLOCK),
+        return csv.open_csv(self.name, read_options=csv.ReadOptions(block_size=self.BLOCK),
                             parse_options=csv.ParseOptions(ignore_empty_lines=False), convert_options=convert)
 
     def _schema(self) -> Any:
