@@ -296,6 +296,198 @@ def test_full_queue_with_reject_raises_queue_full(models: Any, backend: str, tmp
     run(main())
 
 
+# -- mistakes at the call, and Ctrl-C on a loop run by hand (a hostile run found each) -------------
+
+
+def test_times_and_context_are_checked_at_the_call_as_the_sync_calls_do(models: Any, backend: str) -> None:
+    """submit_async/infer_async raise what submit raises for a bad block_timeout, deadline or
+    context, at the call (was: accepted with the queue not full; a context of the wrong type
+    failed in the worker with a SessionRunError); map()/map_async() check their context at the
+    call; the engine serves on with nothing accepted."""
+    x = {"x": rows(1)}
+
+    async def main() -> None:
+        async with build(backend, models.mlp, workers=1) as eng:
+            for kw, err in [({"block_timeout": "1"}, TypeError), ({"block_timeout": True}, TypeError),
+                            ({"block_timeout": float("nan")}, ValueError), ({"deadline": "1"}, TypeError),
+                            ({"context": "tenant-a"}, TypeError), ({"context": ["a"]}, TypeError)]:
+                with pytest.raises(err, match=next(iter(kw))):
+                    await eng.submit_async(x, **kw)
+                with pytest.raises(err, match=next(iter(kw))):
+                    await eng.infer_async(x, **kw)
+                with pytest.raises(err, match=next(iter(kw))):
+                    eng.submit(x, **kw)
+            with pytest.raises(TypeError, match="context must be a dict"):
+                eng.map([x], context=5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="context must be a dict"):
+                eng.map_async([x], context=5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="not a function"):
+                eng.map_async(rows)  # type: ignore[arg-type]
+            assert eng.stats().accepted == 0
+            res = await eng.submit_async(x, context={"tenant": "a"}, block_timeout=1.0)
+            assert res.context == {"tenant": "a"}
+
+    run(main())
+
+
+@pytest.mark.parametrize("return_exceptions", [True, False])
+def test_map_async_gives_an_item_refused_at_the_door_at_its_position(models: Any, backend: str,
+                                                                      return_exceptions: bool) -> None:
+    """As map(): an item the door refuses (float64 where the model takes float32) is that
+    item's error, with its .index, after the outcomes before it; with return_exceptions the
+    rest still runs. Was: map_async raised it at once, the result before it never yielded and
+    its task cancelled, the error without an index."""
+    from slabpool.workers.errors import InputContractError
+
+    items = [{"x": rows(1, seed=0)}, {"x": rows(1, seed=1).astype(np.float64)}, {"x": rows(1, seed=2)}]
+
+    async def main() -> tuple[list[Any], BaseException | None]:
+        got: list[Any] = []
+        async with build(backend, models.mlp, workers=1) as eng:
+            try:
+                async for r in eng.map_async(items, return_exceptions=return_exceptions):
+                    got.append(r)
+            except InputContractError as exc:
+                return got, exc
+        return got, None
+
+    got, raised = run(main())
+    if return_exceptions:
+        assert raised is None and [type(r).__name__ for r in got] == ["Result", "InputContractError", "Result"]
+        assert got[1].index == 1 and [got[0].index, got[2].index] == [0, 2]
+    else:
+        assert [r.index for r in got] == [0] and raised is not None and raised.index == 1  # type: ignore[attr-defined]
+    np.testing.assert_allclose(got[0].outputs["probs"], probs(rows(1, seed=0)), rtol=1e-5, atol=1e-6)
+
+
+def _lane_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("slabpool-aio-")]
+
+
+def test_close_stops_the_asyncio_lanes_and_a_call_after_it_starts_none(models: Any) -> None:
+    """A sync close() stops the admission and cancel lanes (was: two idle threads for as long
+    as the engine object lived); a call on the closed engine raises EngineClosed and starts no
+    thread (was: both again)."""
+    from slabpool.workers.errors import EngineClosed
+
+    big = {"x": np.zeros((aio.INLINE_COPY_BYTES // 64 + 1, 16), np.float32)}  # (admitted on the lane)
+    eng = Engine(models.mlp, workers=1)
+    try:
+        before = set(_lane_threads())
+        run(eng.infer_async(big))
+        assert set(_lane_threads()) - before
+    finally:
+        eng.close()
+    deadline = time.monotonic() + DEADLOCK_S
+    while set(_lane_threads()) - before:
+        assert time.monotonic() < deadline, _lane_threads()
+        time.sleep(0.005)
+    for x in (big, {"x": rows(1)}):
+        with pytest.raises(EngineClosed):
+            run(eng.infer_async(x))
+    assert not set(_lane_threads()) - before
+
+
+def _hand_run(eng: Engine, loop: asyncio.AbstractEventLoop, x: Any, tries: int = 20) -> int:
+    """Calls on a loop run by hand until one is interrupted (KeyboardInterrupt out of
+    run_until_complete): how many calls that took."""
+    for n in range(1, tries + 1):
+        try:
+            loop.run_until_complete(eng.infer_async(x))
+        except KeyboardInterrupt:
+            return n
+    raise AssertionError(f"no call was interrupted in {tries}")
+
+
+def test_a_ctrl_c_in_a_hand_run_loops_step_abandons_the_call_not_the_engine(models: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop run by hand on the main thread (run_until_complete: a script's, Jupyter's), SIGINT
+    while it runs the owner's step for the slot lent to it: KeyboardInterrupt comes out of
+    run_until_complete once the step is done, and the engine serves on, async and sync, every
+    task ended once. Was: EngineInternalError for every later call ("a caller acting as the
+    owner was interrupted"), the engine stopped for good."""
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()  # (only it runs handlers)
+    x = {"x": rows(1)}
+    loop = asyncio.new_event_loop()
+    try:
+        with Engine(models.mlp, workers=1) as eng:
+            for _ in range(3):
+                loop.run_until_complete(eng.infer_async(x))
+            frames = eng._transport.lent_frames  # type: ignore[attr-defined]
+            fired: list[int] = []
+
+            def ctrl_c(slot: int) -> Any:
+                if not fired:
+                    fired.append(slot)
+                    signal.raise_signal(signal.SIGINT)
+                return frames(slot)
+
+            monkeypatch.setattr(eng._transport, "lent_frames", ctrl_c)  # type: ignore[attr-defined]
+            calls = 3 + _hand_run(eng, loop, x)
+            monkeypatch.undo()
+            assert fired
+            again = loop.run_until_complete(asyncio.wait_for(eng.infer_async(x), DEADLOCK_S))
+            sync = eng.infer(x)
+            calls += 2
+            st = eng.stats()
+            assert eng.state.name == "ACCEPTING"
+        assert again["probs"].tobytes() == sync["probs"].tobytes()
+        np.testing.assert_allclose(sync["probs"], probs(x["x"]), rtol=1e-5, atol=1e-6)
+        assert (st.accepted, st.completed, st.failed, st.cancelled) == (calls, calls, 0, 0)
+    finally:
+        loop.close()
+
+
+def test_a_ctrl_c_as_a_call_is_handed_to_the_admission_lane_leaves_it_usable(models: Any,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT between the admission lane's count of a job and its put (a hand-run loop on the
+    main thread): the call is abandoned (its task cancelled, or ended if already admitted) and
+    the lane's backlog goes back to 0, so later calls take the express lane again. Was: the
+    backlog stuck at 1, and every later call took a thread hop through the lane for good."""
+    import signal
+
+    big = {"x": np.zeros((aio.INLINE_COPY_BYTES // 64 + 1, 16), np.float32)}
+    x = {"x": rows(1)}
+    loop = asyncio.new_event_loop()
+    try:
+        with Engine(models.mlp, workers=1) as eng:
+            loop.run_until_complete(eng.infer_async(big))  # (the lanes exist)
+            lane = aio._lanes(eng).admit
+            jobs = lane._jobs
+
+            class Interrupting:  # the lane's queue, whose put is where the Ctrl-C lands
+                def put(self, item: Any) -> None:
+                    signal.raise_signal(signal.SIGINT)
+                    jobs.put(item)
+
+                def get(self) -> Any:
+                    return jobs.get()
+
+            monkeypatch.setattr(lane, "_jobs", Interrupting())
+            with pytest.raises(KeyboardInterrupt):
+                loop.run_until_complete(eng.infer_async(big))
+            monkeypatch.undo()
+            deadline = time.monotonic() + DEADLOCK_S
+            while lane.backlog:
+                assert time.monotonic() < deadline, "the lane's backlog never went back to 0"
+                time.sleep(0.002)
+            while (st := eng.stats()).accepted != st.completed + st.cancelled + st.failed:
+                assert time.monotonic() < deadline, "the interrupted call's task never ended"
+                time.sleep(0.002)
+            taken = eng._express.taken  # type: ignore[attr-defined]
+            for _ in range(20):  # (the first calls after one that was in flight go the general way)
+                loop.run_until_complete(eng.infer_async(x))
+                if eng._express.taken > taken:  # type: ignore[attr-defined]
+                    break
+            assert eng._express.taken > taken, lane.backlog  # type: ignore[attr-defined]
+        st = eng.stats()
+        assert st.accepted == st.completed + st.cancelled and st.failed == 0
+    finally:
+        loop.close()
+
+
 # -- the documented example -----------------------------------------------------------------------
 
 

@@ -37,8 +37,12 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
+from slabpool.engine.caller.mapping import DOOR_ERRORS
+from slabpool.engine.core import interrupts
+from slabpool.engine.core.config import waits
 from slabpool.engine.core.fastpath import Lender
-from slabpool.workers.errors import QueueFull, TaskCancelled
+from slabpool.engine.core.states import EngineState
+from slabpool.workers.errors import EngineClosed, QueueFull, TaskCancelled
 
 if TYPE_CHECKING:
     from slabpool.engine.core.config import EngineConfig
@@ -53,6 +57,9 @@ class _Host(Protocol):
 
     @property
     def config(self) -> EngineConfig: ...
+
+    @property
+    def state(self) -> EngineState: ...
 
     def submit(
         self,
@@ -157,7 +164,11 @@ async def map_async(
             except Exception as exc:  # noqa: BLE001 - the caller's iterable: raised after what it gave
                 broke = exc
                 break
-            fut = await _admit(eng, loop, item, context, None, None)
+            try:
+                fut = await _admit(eng, loop, item, context, None, None)
+            except DOOR_ERRORS as exc:  # (as map(): at its position, after the outcomes before it)
+                fut = Future()
+                fut.set_exception(exc)
             held.append((fut, bridge(loop, fut), index))
             if len(held) >= window:
                 yield await _head(held, return_exceptions)
@@ -177,7 +188,7 @@ async def close_async(eng: _Host, cancel_pending: bool) -> None:
     """`async with`'s exit: close() on a thread of its own (it waits for the drain), the lanes
     stopped after it. Cancelled while closing: the close goes on, the caller moves on."""
     closing = _spawn(functools.partial(eng.close, cancel_pending=cancel_pending))
-    closing.add_done_callback(lambda _: _stop_lanes(eng))
+    closing.add_done_callback(lambda _: stop_lanes(eng))
     await asyncio.wrap_future(closing)
 
 
@@ -196,6 +207,8 @@ async def _admit(
     """The engine's Future for `inputs`: accepted on the loop thread when that cannot wait,
     else on the admission lane (as a sync caller would be), without blocking the loop.
     `lend`: the caller awaits it at once, and its slot may be lent to this loop (`watch_lend`)."""
+    if deadline is not None or block_timeout is not None:
+        waits(deadline, block_timeout)  # (the loop's own submit below is given block_timeout=0)
     lane = _lanes(eng).admit
     if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
         submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
@@ -206,10 +219,19 @@ async def _admit(
             if block_timeout == 0:
                 raise
     started = time.monotonic()
-    job = lane.run(_submit_late, eng, inputs, context, deadline, block_timeout, started)
+    # the lane's count and its put are one step for a Ctrl-C (a hand-run loop on the main
+    # thread): one between them left the count up for good, and every later call took the
+    # lane, the express lane never again. Deferred, it is raised once the job is queued.
+    interrupts.enter()
     try:
+        job = lane.run(_submit_late, eng, inputs, context, deadline, block_timeout, started)
+    except BaseException:
+        interrupts.leave_quietly()
+        raise
+    try:
+        interrupts.leave()
         return await asyncio.wrap_future(job, loop=loop)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, KeyboardInterrupt):
         if not job.cancel():  # already being admitted: cancel what it admits, at once
             job.add_done_callback(functools.partial(_cancel_admitted, eng))
         raise
@@ -322,14 +344,23 @@ def watch_lend(loop: asyncio.AbstractEventLoop, lend: Any, step: Any = None,
     def look() -> None:
         if not watched[0]:
             return
-        got = lend.look(step)
-        if got is not None and deliver is not None:
-            deliver(got)
-        if lend.over or lend.abandoned:
-            watched[0] = False
-            loop.remove_reader(fd)
-            os.close(fd)
-            lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
+        # one stretch for a Ctrl-C (engine.core.interrupts): on a hand-run loop on the main
+        # thread it landed in the owner's step and stopped the engine for good. Deferred, it is
+        # raised once the step is done, its outputs delivered and the reader gone.
+        interrupts.enter()
+        try:
+            got = lend.look(step)
+            if got is not None and deliver is not None:
+                deliver(got)
+            if lend.over or lend.abandoned:
+                watched[0] = False
+                loop.remove_reader(fd)
+                os.close(fd)
+                lend.wake = _told  # (this wake held look, which holds the lend: a cycle per call)
+        except BaseException:
+            interrupts.leave_quietly()
+            raise
+        interrupts.leave()
 
     def wake() -> None:
         try:
@@ -361,7 +392,12 @@ def _cancel_task(eng: _Host, fut: Future[Result]) -> None:
     cancelled here (it never runs); a running one by the cancel lane (never delivered)."""
     if fut.cancel() or fut.done():
         return
-    _lanes(eng).cancel.run(eng.cancel, fut)
+    try:
+        lane = _lanes(eng).cancel
+    except EngineClosed:  # (closed: its lanes are stopped; the owner answers at once, or is gone)
+        eng.cancel(fut)
+        return
+    lane.run(eng.cancel, fut)
 
 
 async def _head(held: deque[tuple[Future[Result], asyncio.Future[Result], int]],
@@ -458,15 +494,23 @@ _lanes_lock = threading.Lock()
 
 
 def _lanes(eng: _Host) -> _Lanes:
+    """The engine's lanes, started at the first call that needs them; a closed engine gets
+    none (EngineClosed): close() stopped them, and nothing may start them again."""
     with _lanes_lock:
         lanes = _all_lanes.get(eng)
         if lanes is None:
+            if eng.state is not EngineState.ACCEPTING:
+                raise EngineClosed(f"the engine is {eng.state.name}: submit() after close()")
             lanes = _all_lanes[eng] = _Lanes()
             weakref.finalize(eng, lanes.stop)
         return lanes
 
 
-def _stop_lanes(eng: _Host) -> None:
+def stop_lanes(eng: _Host) -> None:
+    """close()'s, once the engine accepts no more: the lanes stop after the jobs already given
+    to them (each queued admission then meets the closed engine: EngineClosed, to its caller),
+    and no call starts them again (`_lanes`). Was: two idle threads for as long as the engine
+    object lived, started again by a call on the closed engine."""
     with _lanes_lock:
         lanes = _all_lanes.pop(eng, None)
     if lanes is not None:

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
 from slabpool.engine.caller import aio, blocks, faults, mapping
-from slabpool.engine.caller.calls import InitSignature, check_constructor, not_a_function, public
+from slabpool.engine.caller.calls import InitSignature, check_constructor, map_call, public
 from slabpool.engine.caller.handles import Owner, TaskFuture, applier, close_within
 from slabpool.engine.caller.request import Admitted, Outputs, Request, as_block
 from slabpool.engine.core.admission import TaskQueue
@@ -142,8 +142,8 @@ class BaseEngine:
         the batch job and the tests' faults all build a Request and hand it here. Step 1, the
         input contract, then the backend's `_enqueue` (step 2)."""
         self._check_accepting()
-        if request.deadline is not None or request.block_timeout is not None:
-            waits(request.deadline, request.block_timeout)
+        if request.deadline is not None or request.block_timeout is not None or request.context is not None:
+            waits(request.deadline, request.block_timeout, request.context)
         admitted = self._admit(request.inputs)  # step 1: the contract, before accepting
         if not request.units:  # a block of rows (infer(batch_size=), the job): never stacked with others
             item, shape_key, items = admitted
@@ -171,6 +171,7 @@ class BaseEngine:
             return
         seconds("timeout", timeout, at_least=0.0)  # (before anything stops)
         self._stop_accepting()
+        aio.stop_lanes(self)
         owner = self._owner
         owner.call(owner.close, cancel_pending)
         if owner.on_thread:  # from a done-callback: the loop finishes the job
@@ -327,7 +328,7 @@ class BaseEngine:
 
         A generator of Results (of errors too, with `return_exceptions`); `close()` it to
         abandon it at once."""
-        not_a_function(f"{type(self).__name__}.map()", items)
+        map_call(f"{type(self).__name__}.map()", items, context)
         return mapping.results(self, items, window=window, return_exceptions=return_exceptions, context=context,
                                chunk=chunk, ordered=ordered)
 
@@ -373,10 +374,10 @@ class BaseEngine:
 
         `items` may be an async iterable (pulled lazily, never more than `window` ahead of the
         consumer) or a plain iterable (its `next()` runs on the loop thread: keep it cheap). A
-        failed task raises at its position, unless `return_exceptions` yields the error. Each
-        Result's `index` (an error's `.index`) is its item's position in `items`. When
-        the consumer stops early (break, cancellation, an error), every task still in flight
-        is cancelled with the receipts of `submit_async`."""
+        failed task (an item refused at the door too) raises at its position, unless
+        `return_exceptions` yields the error; `index` is its item's position in `items`. When the
+        consumer stops early (break, cancellation, an error), what is in flight is cancelled."""
+        map_call(f"{type(self).__name__}.map_async()", items, context)
         return aio.map_async(self, items, window, return_exceptions, context)
 
     async def __aenter__(self) -> Self:

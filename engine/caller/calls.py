@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from slabpool.engine.core.config import check_settings, suggest
+from slabpool.engine.core.config import check_settings, context_of, suggest
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -55,6 +55,12 @@ def misuse(sig: inspect.Signature, name: str, args: tuple[Any, ...], kw: dict[st
         return (f"{owner} takes the inputs, not a function: the model (and preprocess=/postprocess= of "
                 f"the Engine) is what runs on them; call eng.{name}(inputs) (it takes {name}{shown})")
     return f"{owner}: {why}; it takes {name}{shown}"
+
+
+def map_call(owner: str, items: Any, context: Any) -> None:
+    """map()'s and map_async()'s arguments, checked at the call (not at the first item)."""
+    not_a_function(owner, items)
+    context_of(context)
 
 
 def not_a_function(owner: str, items: Any) -> None:

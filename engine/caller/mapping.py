@@ -50,6 +50,11 @@ class MapHost(Protocol):
                cancelled: int = ...) -> None: ...
 
 
+# an item refused at the door (its input contract, data that cannot be pickled, too large):
+# map() and map_async() give it at its position, with its .index, after the outcomes before it
+DOOR_ERRORS = (E.TaskError, E.ShmCapacityError, TypeError, ValueError)
+
+
 def results(
     eng: MapHost, items: Iterable[Any], *, window: int | None, return_exceptions: bool,
     context: dict[str, Any] | None, chunk: int | None, ordered: bool,
@@ -134,7 +139,7 @@ def _submit_items(
         fut = eng._submit_chunk(group, context)
         eng._tally(accepted=len(group))
         return [(fut, group, start)]
-    except (E.TaskError, E.ShmCapacityError, TypeError, ValueError) as exc:
+    except DOOR_ERRORS as exc:
         if not contain:
             raise
         if len(group) > 1:

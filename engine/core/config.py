@@ -8,7 +8,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -252,10 +252,20 @@ def seconds(name: str, value: Any, at_least: float = -math.inf) -> None:
                          + f" or None, got {value!r}")
 
 
-def waits(deadline: Any, block_timeout: Any) -> None:
-    """A task's `deadline` and `block_timeout`, each checked by `seconds`."""
+def context_of(value: Any) -> None:
+    """A task's `context`: None or a mapping (its worker binds a read-only copy). Raised at the
+    call: a string or a list was accepted, and its task failed in the worker with a
+    SessionRunError about a 'dictionary update sequence'."""
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(f"context must be a dict or None, got {type(value).__name__} {value!r:.80}")
+
+
+def waits(deadline: Any, block_timeout: Any, context: Any = None) -> None:
+    """A task's `deadline` and `block_timeout`, each checked by `seconds`, and its `context`."""
     seconds("deadline", deadline)
     seconds("block_timeout", block_timeout)
+    if context is not None and type(context) is not dict:
+        context_of(context)
 
 
 def _positive(name: str, value: Any) -> None:
