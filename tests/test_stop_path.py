@@ -177,6 +177,55 @@ def test_close_with_a_timeout_too_short_to_drain_returns_with_every_future_done(
         eng._owner.join(DEADLOCK_S)  # the workers' stop may finish after close() returned
 
 
+def test_a_close_cut_by_ctrl_c_leaves_the_next_close_waiting_for_real(models, tmp_path):
+    """Ctrl-C while close() waits for the owner thread to drain (a task held in its worker),
+    then close() again once the task is let go: the second close() returns only when every
+    Future is done and no worker is left. Was: a KeyboardInterrupt inside Thread.join() marks
+    the thread stopped while it still runs (CPython 3.11), so the second close() returned at
+    once with the Futures pending and the workers alive, and the exit-time stop was skipped
+    (multiprocessing's exit handler then SIGTERMed workers the owner thread was reaping)."""
+    import sys as _sys
+    import time
+
+    assert threading.current_thread() is threading.main_thread()  # (only it runs handlers)
+    gate, ran = tmp_path / "gate", tmp_path / "ran"
+    eng = Engine(models.mlp, workers=1, preprocess="tests.hooks:gated")
+    try:
+        futs = [eng.submit({"x": np.ones((1, 16), np.float32), "gate": str(gate), "log": str(ran)}) for _ in range(2)]
+        wait_until(ran.exists, "the first task held in its worker")
+        pids = [s.pid for s in eng.stats().slots]
+        main = threading.main_thread().ident
+
+        def ctrl_c_in_the_join() -> None:  # once the main thread waits in the owner's join
+            deadline = time.monotonic() + DEADLOCK_S
+            while time.monotonic() < deadline:
+                frame = _sys._current_frames().get(main)
+                names = set()
+                while frame is not None:
+                    names.add((frame.f_code.co_name, Path(frame.f_code.co_filename).name))
+                    frame = frame.f_back
+                if ("join", "owner.py") in names:
+                    signal.pthread_kill(main, signal.SIGINT)  # type: ignore[arg-type]
+                    return
+                time.sleep(0.001)
+
+        t = threading.Thread(target=ctrl_c_in_the_join)
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+        t.join()
+        assert not all(f.done() for f in futs)  # (still held: the interrupt came inside the wait)
+        gate.touch()
+        eng.close()
+        assert all(f.done() for f in futs) and [f.exception() for f in futs] == [None, None]
+        assert eng.state.name == "CLOSED"
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in
+                    open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0]]
+    finally:
+        gate.touch()
+        eng.close()
+
+
 OOM_SCRIPT = '''
 import os, resource, sys
 import numpy as np

@@ -122,6 +122,7 @@ class OwnerThread:
         self._loop_done = False  # set once, under _calls_lock: later calls fail at once
         self._forsaken = ""  # in a forked child: why no loop runs here (see forsake)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._exited = threading.Event()  # the loop has exited (set last): what join waits on
         self.lock = OwnerLock()  # the owner role (engine.core.fastpath)
 
     # -- the call bus ----------------------------------------------------------------------------
@@ -161,6 +162,8 @@ class OwnerThread:
         self.lock = OwnerLock()
         self._calls.clear()
         self._forsaken, self._loop_done = why, True
+        self._exited = threading.Event()  # (a fresh one: another thread may have held its lock)
+        self._exited.set()  # (join: no loop runs here to wait for)
 
     # -- the thread ------------------------------------------------------------------------------
 
@@ -168,12 +171,18 @@ class OwnerThread:
         self._thread.start()
 
     def join(self, timeout: float | None) -> bool:
-        """Wait for the loop to exit; False if it still runs (or if called from the loop)."""
+        """Wait for the loop to exit; False if it still runs (or if called from the loop).
+
+        It waits on the loop's own end, not on the thread's: a KeyboardInterrupt inside
+        Thread.join() marks the thread stopped while it still runs (CPython 3.11,
+        threading._wait_for_tstate_lock), and a close() interrupted by a Ctrl-C then found the
+        engine stopped at its next call, returned at once with every Future pending and the
+        workers running, and the exit-time stop was skipped."""
         if self.on_thread:
             return False
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.ident is None:
+            return True  # (never started: no loop to wait for)
+        return self._exited.wait(timeout)
 
     @property
     def on_thread(self) -> bool:
@@ -194,6 +203,7 @@ class OwnerThread:
                 with self._calls_lock:
                     self._loop_done = True
                 self._fail_late_calls()
+                self._exited.set()
 
     def _fail_late_calls(self) -> None:
         """Calls that arrived while the loop was exiting: they find no loop to run them."""

@@ -9,7 +9,9 @@ the parent then ended as PoisonTask.
 
 So, right after a fork, in the child (os.register_at_fork):
 - every worker process object (named slabpool-worker-<slot>) leaves multiprocessing's
-  children set: the child's exit signals, reaps and waits for none of them;
+  children set: the child's exit signals, reaps and waits for none of them; the child's
+  copies of the parent's ends of its pipes are closed, so that the worker still sees its
+  parent die (a SIGKILLed parent's workers outlived it while a child it forked lived);
 - multiprocessing's record of the parent's forkserver is dropped, so that the child may
   start engines of its own (the forkserver's pid is no child of the child's);
 - every engine of this process is marked inherited: submit() (and anything that needs its
@@ -26,7 +28,7 @@ import multiprocessing.process
 import os
 import threading
 import weakref
-from multiprocessing import forkserver
+from multiprocessing import forkserver, util
 from typing import Any
 
 from slabpool.engine.core.states import EngineState
@@ -57,6 +59,7 @@ def _after_fork_in_child() -> None:
     for proc in list(children):
         if proc.name.startswith(WORKER_NAME):
             children.discard(proc)
+            _close_parents_pipes(proc)
     _forget_parents_forkserver()
     for engine in list(_ENGINES):
         engine._inherited = why = _why(engine._owner_pid)
@@ -70,6 +73,20 @@ def _after_fork_in_child() -> None:
         finalizer = getattr(engine, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
+
+
+def _close_parents_pipes(proc: Any) -> None:
+    """The child's copies of the parent's ends of a worker's pipes: its sentinel, and the write
+    end whose close the worker takes for its parent's death (multiprocessing's Popen keeps both
+    for its finalizer, to close; the finalizer goes too). Held here, a SIGKILLed parent's
+    workers (and their forkserver) lived as long as this child did."""
+    finalizer = getattr(getattr(proc, "_popen", None), "finalizer", None)
+    if finalizer is None or getattr(finalizer, "_callback", None) is not getattr(util, "close_fds", None):
+        return
+    for fd in finalizer._args:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    finalizer.cancel()
 
 
 def _forget_parents_forkserver() -> None:
