@@ -81,6 +81,19 @@ def gated(item: Any) -> Any:
     return {"x": np.asarray(item["x"], dtype=np.float32)}
 
 
+def gil_stall(item: Any) -> Any:
+    """Record that the task ran (item["log"]), then sleep item["stall"] seconds in native code
+    that holds the GIL (libc's sleep through ctypes.PyDLL): a worker where no Python thread
+    can run, as a native deadlock leaves it."""
+    import ctypes
+
+    if item.get("log"):
+        with open(item["log"], "a") as f:
+            f.write("stalled\n")
+    ctypes.PyDLL(None).sleep(int(item.get("stall", 0)))
+    return {"x": np.asarray(item["x"], dtype=np.float32)}
+
+
 def kill_flagged(item: Any) -> Any:
     """Kill this worker every time an item flagged "kill" is seen (a poison item)."""
     if item.get("kill"):

@@ -352,6 +352,54 @@ def test_supervisor_sigkill_leaves_no_worker_and_no_shared_memory(models, tmp_pa
     assert not [n for n in os.listdir("/dev/shm") if instance in n]
 
 
+STALLED = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    from slabpool import Engine
+    if __name__ == "__main__":
+        eng = Engine(sys.argv[1], workers=2, start_method=sys.argv[2], preprocess="tests.hooks:gil_stall")
+        eng.infer({"x": np.zeros((1, 16), "float32")})
+        pids = [s.pid for s in eng.stats().slots]
+        eng.submit({"x": np.zeros((1, 16), "float32"), "stall": 300, "log": sys.argv[3]})
+        while not os.path.exists(sys.argv[3]):
+            time.sleep(0.005)
+        print(" ".join(map(str, pids)), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_supervisor_sigkill_ends_a_worker_stuck_holding_the_gil(models, tmp_path, start_method):
+    """A worker stuck in native code that holds the GIL (no Python thread of it can run) when
+    the supervisor is SIGKILLed: it is killed at once all the same, the other too (the
+    kernel signals a pipe's reader when its last writer closes: workers/main._watch_parent).
+    Was: the stuck worker, its forkserver and the resource tracker outlived the supervisor
+    for as long as the native code held on."""
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, str(script), str(models.mlp), start_method, str(tmp_path / "stalled")],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        tree = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30  # (at once, in fact: this only catches a worker left)
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pids) == 2 and not [p for p in tree if _alive(p)], "processes outlived their supervisor"
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (it may vanish while we look)."""
     try:

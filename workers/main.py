@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import fcntl
 import functools
 import logging
 import multiprocessing
@@ -153,10 +154,23 @@ def _main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None
 
 
 def _watch_parent() -> None:
-    """Exit at once when the supervisor dies (even by SIGKILL): never linger as an orphan."""
+    """Exit at once when the supervisor dies (even by SIGKILL): never linger as an orphan.
+
+    Two watches of the parent's sentinel (a pipe whose last writer is the parent: its death
+    closes it). The kernel's: the pipe's reader is signalled when its writer closes (O_ASYNC),
+    with SIGKILL (F_SETSIG), which needs no Python to run here: native code stuck holding the
+    GIL (a deadlock) kept the thread below from running, and the worker, its forkserver and
+    the resource tracker outlived the supervisor for good. Nothing else is ever written to
+    that pipe once the worker has read its start-up data, so nothing else signals. And a
+    thread's, where the kernel's cannot be set."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
+    with contextlib.suppress(OSError, AttributeError):  # (F_SETSIG: Linux)
+        fd = parent.sentinel
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
