@@ -202,3 +202,26 @@ def test_cancelled_replays_are_never_sent_again(models, tmp_path, backend, kind)
     for r, w in zip(kept, want, strict=True):
         np.testing.assert_allclose(r.outputs["probs"], w, rtol=1e-5, atol=1e-6)
     assert st.cancelled == len(victims) and st.failed == 0 and st.shm_inputs_used == 0
+
+
+def test_a_cancelled_queued_task_is_done_for_wait_and_as_completed(models, tmp_path, backend):
+    """Future.cancel() of a queued task: concurrent.futures.wait() and as_completed() see it
+    done at once, as with an executor's Future (was: never; it stayed CANCELLED, not
+    CANCELLED_AND_NOTIFIED, and wait() ran to its timeout); the task never runs."""
+    import concurrent.futures as cf
+
+    gate, ran = tmp_path / "gate", tmp_path / "ran"
+    item = {"x": X[:1], "gate": str(gate), "log": str(ran)}
+    with build_on(backend, models.mlp, workers=1, inflight_per_slot=1, preprocess="tests.hooks:gated") as eng:
+        held = eng.submit(item)
+        wait_until(ran.exists, "the first task held in its worker")
+        queued = eng.submit(item)
+        assert queued.cancel() and queued.cancelled()
+        done, not_done = cf.wait([queued, held], timeout=DEADLOCK_S, return_when=cf.FIRST_COMPLETED)
+        assert done == {queued} and not_done == {held}
+        assert list(cf.as_completed([queued], timeout=DEADLOCK_S)) == [queued]
+        gate.touch()
+        assert held.result(timeout=DEADLOCK_S).outputs["probs"].shape == (1, 8)
+        st = eng.stats()
+    assert (st.accepted, st.completed, st.cancelled) == (2, 1, 1)
+    assert ran.read_text().split() == ["?"]  # (the cancelled one never ran)

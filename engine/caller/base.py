@@ -249,10 +249,12 @@ class BaseEngine:
         return int.from_bytes(digest, "little")
 
     def _on_cancelled(self, fut: TaskFuture) -> None:
-        """Future.cancel() on a queued task: take it out of the queue, free its inputs now."""
+        """Future.cancel() on a queued task: out of the queue, its inputs freed now, its waiters
+        notified (concurrent.futures.wait() and as_completed() see it done: they never did)."""
         task = fut.slabpool_task
         if self._queue.discard(task):
             self._end_queued(task, None)
+            fut.set_running_or_notify_cancel()
 
     # -- the rest of the caller's API -----------------------------------------------------------
 
@@ -350,8 +352,7 @@ class BaseEngine:
         return await aio.submit_async(self, inputs, context=context, deadline=deadline, block_timeout=block_timeout)
 
     async def infer_async(self, inputs: Any, **kw: Any) -> Outputs:
-        """`submit_async` and return the outputs, a dict name -> array (with a postprocess:
-        what it returned)."""
+        """`submit_async`, then the outputs: a dict name -> array (a postprocess's: its value)."""
         return cast(Outputs, await aio.infer_async(self, inputs, kw))  # one call, not two, per task
 
     @overload
@@ -485,8 +486,7 @@ class BaseEngine:
             c.items_cancelled += cancelled
 
     def _cancel_queued(self, task: Task) -> None:
-        """A task a caller thread took out of the queue (it never reached a slot) ends
-        CANCELLED, counted with its items; the backend's `_end_queued` frees its inputs."""
+        """A task taken out of the queue ends CANCELLED, counted with its items."""
         task.move(TaskState.CANCELLED)
         with self._queue.lock:
             self._queue.counters.cancelled += 1
