@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from slabpool import Engine
-from slabpool.engine.caller import aio
+from slabpool.engine.caller import aio, lanes
 from slabpool.workers.errors import QueueFull, SessionRunError, TaskCancelled
 from tests.models import onnx_models
 from tests.ray_support.plugin import build
@@ -273,7 +273,7 @@ def test_the_loop_never_waits_on_a_full_queue_while_200_run(models: Any) -> None
             outs = await asyncio.gather(*(eng.infer_async({"x": x}) for x in xs))
             for x, out in zip(xs, outs, strict=True):
                 np.testing.assert_allclose(out["probs"], probs(x), rtol=1e-5, atol=1e-6)
-            assert aio._lanes(eng).admit.jobs > 0, "the queue never filled: the lane was not exercised"
+            assert lanes.lanes(eng).admit.jobs > 0, "the queue never filled: the lane was not exercised"
             assert waits, "no caller ever waited for room: the queue never filled"
             assert loop_thread not in waits, "the event loop's thread waited on the full queue"
 
@@ -454,7 +454,7 @@ def test_a_ctrl_c_as_a_call_is_handed_to_the_admission_lane_leaves_it_usable(mod
     try:
         with Engine(models.mlp, workers=1) as eng:
             loop.run_until_complete(eng.infer_async(big))  # (the lanes exist)
-            lane = aio._lanes(eng).admit
+            lane = lanes.lanes(eng).admit
             jobs = lane._jobs
 
             class Interrupting:  # the lane's queue, whose put is where the Ctrl-C lands

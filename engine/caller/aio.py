@@ -28,15 +28,14 @@ import contextlib
 import dataclasses
 import functools
 import os
-import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
+from slabpool.engine.caller import lanes
 from slabpool.engine.caller.mapping import DOOR_ERRORS
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.config import waits
@@ -122,8 +121,8 @@ def _express(eng: _Host, inputs: Any, result: bool) -> tuple[Future[Result], asy
     express = getattr(eng, "_express", None)
     if express is None:
         return None
-    lanes = _all_lanes.get(eng)
-    if lanes is not None and lanes.admit.backlog:
+    got = lanes.all_lanes.get(eng)
+    if got is not None and got.admit.backlog:
         return None
     return cast("tuple[Future[Result], asyncio.Future[Any]] | None",
                 express.call_async(eng, inputs, asyncio.get_running_loop(), result))
@@ -187,8 +186,8 @@ async def map_async(
 async def close_async(eng: _Host, cancel_pending: bool) -> None:
     """`async with`'s exit: close() on a thread of its own (it waits for the drain), the lanes
     stopped after it. Cancelled while closing: the close goes on, the caller moves on."""
-    closing = _spawn(functools.partial(eng.close, cancel_pending=cancel_pending))
-    closing.add_done_callback(lambda _: stop_lanes(eng))
+    closing = lanes.spawn(functools.partial(eng.close, cancel_pending=cancel_pending))
+    closing.add_done_callback(lambda _: lanes.stop_lanes(eng))
     await asyncio.wrap_future(closing)
 
 
@@ -209,7 +208,7 @@ async def _admit(
     `lend`: the caller awaits it at once, and its slot may be lent to this loop (`watch_lend`)."""
     if deadline is not None or block_timeout is not None:
         waits(deadline, block_timeout)  # (the loop's own submit below is given block_timeout=0)
-    lane = _lanes(eng).admit
+    lane = lanes.lanes(eng).admit
     if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
         submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
         lending = getattr(eng, "_lending_submit", None) if lend else None
@@ -393,7 +392,7 @@ def _cancel_task(eng: _Host, fut: Future[Result]) -> None:
     if fut.cancel() or fut.done():
         return
     try:
-        lane = _lanes(eng).cancel
+        lane = lanes.lanes(eng).cancel
     except EngineClosed:  # (closed: its lanes are stopped; the owner answers at once, or is gone)
         eng.cancel(fut)
         return
@@ -432,101 +431,3 @@ async def _aiter(items: AsyncIterable[T] | Iterable[T]) -> AsyncIterator[T]:
     else:
         for item in items:
             yield item
-
-
-# -- the threads ----------------------------------------------------------------------------------
-
-
-class _Lane:
-    """One daemon thread that runs jobs in order. It holds no reference to the engine while
-    idle, so an engine dropped without close() is still collected (and stops the lane)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._backlog = 0
-        self.jobs = 0  # jobs ever handed to it
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    @property
-    def backlog(self) -> int:
-        """Jobs queued or running: new admissions queue behind them, in arrival order."""
-        return self._backlog
-
-    def run(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        job: Future[T] = Future()
-        with self._lock:
-            self._backlog += 1
-            self.jobs += 1
-        self._jobs.put((job, functools.partial(fn, *args)))
-        return job
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, call = item
-            try:
-                if job.set_running_or_notify_cancel():
-                    try:
-                        job.set_result(call())
-                    except BaseException as exc:  # noqa: BLE001 - it belongs to the caller
-                        job.set_exception(exc)
-            finally:
-                del item, job, call
-                with self._lock:
-                    self._backlog -= 1
-
-
-class _Lanes:
-    def __init__(self) -> None:
-        self.admit = _Lane("slabpool-aio-admit")
-        self.cancel = _Lane("slabpool-aio-cancel")
-
-    def stop(self) -> None:
-        self.admit.stop()
-        self.cancel.stop()
-
-
-_all_lanes: weakref.WeakKeyDictionary[Any, _Lanes] = weakref.WeakKeyDictionary()
-_lanes_lock = threading.Lock()
-
-
-def _lanes(eng: _Host) -> _Lanes:
-    """The engine's lanes, started at the first call that needs them; a closed engine gets
-    none (EngineClosed): close() stopped them, and nothing may start them again."""
-    with _lanes_lock:
-        lanes = _all_lanes.get(eng)
-        if lanes is None:
-            if eng.state is not EngineState.ACCEPTING:
-                raise EngineClosed(f"the engine is {eng.state.name}: submit() after close()")
-            lanes = _all_lanes[eng] = _Lanes()
-            weakref.finalize(eng, lanes.stop)
-        return lanes
-
-
-def stop_lanes(eng: _Host) -> None:
-    """close()'s, once the engine accepts no more: the lanes stop after the jobs already given
-    to them (each queued admission then meets the closed engine: EngineClosed, to its caller),
-    and no call starts them again (`_lanes`). Was: two idle threads for as long as the engine
-    object lived, started again by a call on the closed engine."""
-    with _lanes_lock:
-        lanes = _all_lanes.pop(eng, None)
-    if lanes is not None:
-        lanes.stop()
-
-
-def _spawn(fn: Callable[[], T]) -> Future[T]:
-    """Run `fn` on a new daemon thread; its Future."""
-    fut: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - it belongs to the caller
-            fut.set_exception(exc)
-
-    fut.set_running_or_notify_cancel()
-    threading.Thread(target=run, name="slabpool-aio-close", daemon=True).start()
-    return fut

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, I
 from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
-from slabpool.engine.caller import aio, blocks, faults, mapping
+from slabpool.engine.caller import aio, blocks, faults, lanes, mapping
 from slabpool.engine.caller.calls import InitSignature, check_constructor, map_call, public
 from slabpool.engine.caller.handles import Owner, TaskFuture, applier, close_within
 from slabpool.engine.caller.request import Admitted, Outputs, Request, as_block
@@ -171,7 +171,7 @@ class BaseEngine:
             return
         seconds("timeout", timeout, at_least=0.0)  # (before anything stops)
         self._stop_accepting()
-        aio.stop_lanes(self)
+        lanes.stop_lanes(self)
         owner = self._owner
         owner.call(owner.close, cancel_pending)
         if owner.on_thread:  # from a done-callback: the loop finishes the job
