@@ -610,6 +610,94 @@ def test_a_slot_that_cannot_be_placed_stays_starting(
         assert res.index == i
 
 
+def test_a_slot_whose_actor_is_ray_killed_comes_back(ray_only: SimpleNamespace | None, models: SimpleNamespace) -> None:
+    """ray.kill() of a slot's actor (Ray's default: no restart): the next task's call fails,
+    the slot is rebuilt with a new actor and the task replays, once. Was: the slot pinged the
+    dead actor for ever, STARTING for good, and its tasks never ended."""
+    import ray
+
+    with RayEngine(models.mlp, workers=1) as eng:
+        assert_mlp(eng.infer({"x": rows(0)}), rows(0))
+        ray.kill(eng._transport._actors[0].handle)  # type: ignore[attr-defined]
+        fut = eng.submit({"x": rows(1)})
+        counts = completions([fut])
+        res = fut.result(120)
+        assert_mlp(eng.infer({"x": rows(2)}), rows(2))
+        st = eng.stats()
+    assert_mlp(res.outputs, rows(1))
+    assert counts == [1] and st.failed == 0 and [s.state for s in st.slots] == ["READY"]
+
+
+def test_an_actor_that_dies_as_it_starts_is_not_blamed_on_resources(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace
+) -> None:
+    """An initializer that kills its actor (Ray restarts it for ever, each time dying again):
+    at startup_timeout the error says the actors died or hung as they started, with room for
+    them. Was: "the cluster lacks the resources", with CPUs free."""
+    with pytest.raises(E.SessionInitError, match="died or hung as it started") as info:
+        RayEngine(models.mlp, workers=1, initializer="os:_exit", initargs=(3,), startup_timeout=5)
+    assert "lacks the resources" not in str(info.value)
+
+
+RAY_UNDER = """
+import json, os, sys, time
+import numpy as np
+import ray
+from slabpool import RayEngine
+
+if __name__ == "__main__":
+    model, log, gate = sys.argv[1:4]
+    init = {"num_cpus": 2, "log_to_driver": False}
+    a = RayEngine(model, workers=1, address="local", ray_init_kwargs=init, preprocess="tests.hooks:gated")
+    x = {"x": np.ones((1, 16), np.float32), "gate": gate, "log": log}
+    held = [a.submit(x) for _ in range(2)]
+    while not os.path.exists(log):
+        time.sleep(0.01)
+    ray.shutdown()  # the user's, under the engine, with a task running and one queued
+    errors = [str(f.exception(timeout=120)) for f in held]
+    try:
+        a.submit(x)
+        later = "accepted"
+    except Exception as exc:
+        later = type(exc).__name__
+    started = ray.is_initialized()  # (a submit must not start a new local Ray)
+    ray.init(address="local", include_dashboard=False, **init)  # the user's own Ray now
+    a.close(timeout=60)
+    kept_a = ray.is_initialized()
+    with RayEngine(model, workers=1) as b:  # on the user's Ray
+        shape = list(b.infer({"x": np.ones((1, 16), np.float32)})["probs"].shape)
+    kept_b = ray.is_initialized()
+    ray.shutdown()
+    print(json.dumps({"errors": errors, "later": later, "started": started, "state": a.state.name,
+                      "kept_a": kept_a, "kept_b": kept_b, "shape": shape}))
+"""
+
+
+@pytest.mark.slow
+def test_ray_shut_down_under_the_engine_and_the_users_ray_after_it(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path
+) -> None:
+    """ray.shutdown() under a RayEngine that started Ray: its task running and its task queued
+    fail with a WorkerError that says so, a later submit is refused without starting a new
+    local Ray; then the user's own ray.init(): the engine's close() leaves that Ray running,
+    and an engine made on it leaves it running too. Was: the tasks never ended, the submit
+    started a Ray, and close() shut the user's Ray down (every fresh local Ray gives its first
+    driver the same job id, 01000000, which was all that told two instances apart)."""
+    import json
+    import os
+
+    script = tmp_path / "under.py"
+    script.write_text(RAY_UNDER)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, str(script), str(models.mlp), str(tmp_path / "ran"), str(tmp_path / "gate")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    assert all("Ray was shut down under this engine" in e for e in seen["errors"]), seen
+    assert seen["later"] == "WorkerError" and seen["started"] is False and seen["state"] == "CLOSED"
+    assert seen["kept_a"] is True and seen["kept_b"] is True and seen["shape"] == [1, 8]
+
+
 @pytest.mark.slow
 def test_the_ray_docs_run_as_written(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -40,7 +40,7 @@ from slabpool.engine.core.reload import ReloadPlan
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import KillReason, SlotEvent, SlotState, TaskState
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Died, Done, Event, Ready, SlotTransport
+from slabpool.engine.core.transport import Died, Done, Event, Ready, SlotTransport, TransportLost
 from slabpool.engine.core.watchdog import Watchdog
 from slabpool.workers import errors as E
 from slabpool.workers.errors import Crash, crash_hint, describe_exit
@@ -128,7 +128,11 @@ class Coordinator:
                 if error is None:
                     return
                 raise error
-            for ev in self.transport.wait(left):
+            try:
+                events = self.transport.wait(left)
+            except TransportLost as lost:
+                raise lost.error from None
+            for ev in events:
                 if type(ev) is Died:
                     raise ev.startup_error or E.SessionInitError(f"slot {ev.slot} died during start-up: {ev.cause}")
                 if type(ev) is Ready:
@@ -176,7 +180,11 @@ class Coordinator:
             now = time.monotonic()
             timeout = self.fast.owner_timeout(self.next_timer(now, self.fast.reclaim_at()))
             self.fast.sleep_until = float("inf") if timeout is None else now + timeout
-            events = self.transport.wait(timeout)
+            try:
+                events = self.transport.wait(timeout)
+            except TransportLost as lost:  # (every task held fails with why; the loop then ends)
+                events = []
+                self.fail(lost.error)
             self.fast.sleep_until = 0.0  # awake: a caller's dispatch need not wake it
             self.thread.run_calls()
             now = time.monotonic()

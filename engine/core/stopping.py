@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from slabpool.engine.core.ledger import cancelled
 from slabpool.engine.core.slots import SlotRecord
 from slabpool.engine.core.states import KillReason, SlotEvent, SlotState
-from slabpool.engine.core.transport import Died, Done
+from slabpool.engine.core.transport import Died, Done, TransportLost
 from slabpool.workers import errors as E
 
 if TYPE_CHECKING:
@@ -97,7 +97,11 @@ def _pump(co: Coordinator, deadline: float) -> None:
     """Waits of the stop path until every slot has died (or the deadline): what the workers
     still answer ends its tasks as usual."""
     while any(s.state.live for s in co.slots) and time.monotonic() < deadline:
-        for ev in co.transport.wait(max(deadline - time.monotonic(), 0.0)):
+        try:
+            events = co.transport.wait(max(deadline - time.monotonic(), 0.0))
+        except TransportLost:
+            return  # (what the workers ran on is gone: nothing more will come from them)
+        for ev in events:
             if type(ev) is Done:
                 co.dispatcher.on_done(ev, time.monotonic())
             elif type(ev) is Died:

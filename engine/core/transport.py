@@ -100,6 +100,15 @@ class Room(NamedTuple):
     max_tasks: int = 1 << 30  # tasks a group may hold at most (the transport's own limit)
 
 
+class TransportLost(Exception):
+    """What the transport runs on is gone for good (Ray shut down under a RayEngine): raised by
+    its `wait`, and the engine fails with `error` (every task still held with it)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class Unsendable(Exception):
     """A batch that cannot be sent (its data will not pickle): the owner takes it back."""
 

@@ -146,6 +146,10 @@ class RayEngine(BaseEngine):
         if self.config.preprocess is not None:  # the inputs' objects too, as locally (pool._enqueue)
             seal(skeleton, "the inputs")
         nbytes = sum(a.nbytes for a in arrays)
+        if not ray.is_initialized() or instance.identity() != self._transport.ray:
+            # (ray.put would start a new local Ray, or put into another: the actors are not there)
+            raise E.EngineClosed("Ray was shut down under this engine: it accepts no task; close it, and make a new "
+                                 "RayEngine on the Ray now running")
         for old in self._queue.reserve(block_timeout if self.config.admission is AdmissionPolicy.BLOCK else None,
                                        nbytes):
             self._end_queued(old, superseded_error(old))

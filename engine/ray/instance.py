@@ -8,7 +8,8 @@ RayEngine made while it runs, shut down when the last of them closes.
 
 Was: each engine kept its own "I started Ray", so A's close() shut Ray down under B, whose
 tasks then never ended. A Ray the user started (`ray.init()` before the engine, or after
-shutting down ours) is never shut down here: an instance is told apart by its driver's job id.
+shutting down ours) is never shut down here: an instance is told apart by its driver's job id
+and node id (`_job`).
 """
 
 from __future__ import annotations
@@ -50,5 +51,15 @@ def release(use: str) -> None:
                 ray.shutdown()
 
 
+def identity() -> str:
+    """The Ray instance this process is connected to now ("": none)."""
+    return _job() if ray.is_initialized() else ""
+
+
 def _job() -> str:
-    return str(ray.get_runtime_context().get_job_id())
+    """The running instance as this driver sees it: its job id and its node's id. The job id
+    alone names no instance: every fresh local Ray gives its first driver 01000000, so a
+    Ray the user started after shutting down ours was taken for ours, and shut down by an
+    engine's close()."""
+    ctx = ray.get_runtime_context()
+    return f"{ctx.get_job_id()}@{ctx.get_node_id()}"

@@ -33,7 +33,19 @@ from slabpool.engine.core.admission import MAX_GROUP
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.states import KillReason
 from slabpool.engine.core.task import Batch, Task
-from slabpool.engine.core.transport import Died, Done, Event, InHand, Outcome, Ready, Room, Unsendable, sooner
+from slabpool.engine.core.transport import (
+    Died,
+    Done,
+    Event,
+    InHand,
+    Outcome,
+    Ready,
+    Room,
+    TransportLost,
+    Unsendable,
+    sooner,
+)
+from slabpool.engine.ray import instance
 from slabpool.engine.ray.actor import ActorBatch, ActorReady, CallTask, SlotActor
 from slabpool.engine.ray.placement import placeable, resources, slot_request
 from slabpool.workers import errors as E
@@ -44,6 +56,7 @@ from slabpool.workers.session import SessionSpec
 
 log = logging.getLogger("slabpool.engine.ray")
 MAX_PING_BACKOFF_S = 2.0
+RAY_LOOK_S = 1.0  # the owner's longest wait: it looks that the Ray instance is still there (check_ray)
 
 
 @dataclass(eq=False)
@@ -113,6 +126,8 @@ class RayTransport:
         self._actors = [_Actor() for _ in range(cfg.workers)]
         self._events: list[Event] = []
         self._closed = False
+        self.ray = instance.identity()  # the Ray instance its actors live in (engine.ray.instance)
+        self._lost = False  # that instance is gone (check_ray): no call of Ray's is made for it again
         self._request = slot_request(cpus_per_slot, actor_options)
         self.quorum, short = placeable(cfg.workers, self._request)
         if short:
@@ -127,6 +142,8 @@ class RayTransport:
 
     def start(self, slot: int, spec: SessionSpec | None) -> int:
         a = self._actors[slot]
+        if not self._ray_here():
+            return 0  # (no call of Ray's: it would start a new local Ray; the next wait says it is gone)
         if a.handle is None or a.fresh or a.spec is not spec:
             self._kill_actor(a.handle)
             a.handle, a.spec, a.fresh = self._new_actor(slot, spec), spec, False
@@ -136,6 +153,8 @@ class RayTransport:
 
     def send(self, slot: int, batch: Batch) -> None:
         a = self._actors[slot]
+        if not self._ray_here():
+            return  # (as in start: the next wait fails every task it holds, this batch's too)
         fi = self.cfg.fault_injection
         staged: list[Staged] = [t.inputs for t in batch.tasks]
         tasks = [CallTask(t.id, t.attempts, t.seed, s.context, t.fault if fi else None, t.step)
@@ -156,7 +175,8 @@ class RayTransport:
     def kill(self, slot: int, reason: KillReason, grace: float) -> None:
         a = self._actors[slot]
         for_good = reason.planned
-        self._kill_actor(a.handle, restart=not for_good)
+        if self._ray_here():
+            self._kill_actor(a.handle, restart=not for_good)
         a.fresh = a.fresh or for_good
         a.dead = a.dead or E.WorkerError(f"the actor of slot {slot} was killed ({reason.value})")
         a.ping_at = None
@@ -197,15 +217,24 @@ class RayTransport:
             log.warning("%d of %d slots ready after %s s; the others stay STARTING (each slot asks %s; free now: %s)",
                         up, len(self._actors), timeout, self._request, resources(free=True))
             return None
+        free = resources(free=True)
+        if all(free.get(k, 0.0) >= v for k, v in self._request.items()):  # (room now: it was placed, never ready)
+            return E.SessionInitError(
+                f"no Ray actor ready after {timeout} s, with room for them ({free} free; each slot asks "
+                f"{self._request}): each actor died or hung as it started (its initializer, or its session's "
+                "build: Ray restarts a dead one for ever; the raylet's log says how each died), or cannot "
+                "import the model's code")
         return E.SessionInitError(
             f"no Ray actor ready after {timeout} s: the cluster lacks the resources "
             f"(each slot asks {self._request}; the cluster has {resources()} in all, "
-            f"{resources(free=True)} free) or cannot import the model's code")
+            f"{free} free) or cannot import the model's code")
 
     def close(self) -> None:
         self._closed = True  # a late ping or call changes nothing now
+        here = self._ray_here()  # (gone: its actors went with it, and a stale handle's kill hung)
         for a in self._actors:
-            self._kill_actor(a.handle)
+            if here:
+                self._kill_actor(a.handle)
             a.handle = None
 
     def abort(self) -> None:
@@ -214,9 +243,10 @@ class RayTransport:
     # -- the wait ------------------------------------------------------------------------------------
 
     def wait(self, timeout: float | None) -> list[Event]:
+        self.check_ray()  # (~2 us: before any ping, which would start a new local Ray were it gone)
         now = time.monotonic()
         pings = [a.ping_at for a in self._actors if a.ping_at is not None]
-        timeout = sooner(timeout, pings, now)
+        timeout = sooner(RAY_LOOK_S if timeout is None else min(timeout, RAY_LOOK_S), pings, now)
         if not self._events:
             try:
                 self._on(self._inbox.get(timeout=timeout))
@@ -233,6 +263,22 @@ class RayTransport:
                 self._ping(i)
         events, self._events = self._events, []
         return events
+
+    def check_ray(self) -> None:
+        """TransportLost if the Ray instance the actors live in is gone (ray.shutdown() under
+        the engine, maybe another ray.init() since): nothing it held will ever answer. Was: the
+        tasks in flight never ended, and the next submit started a new local Ray."""
+        if self._closed or self._ray_here():
+            return
+        raise TransportLost(E.WorkerError(
+            "Ray was shut down under this engine (ray.shutdown(), or its cluster went away): its actors and the "
+            "tasks they held are gone; close it, and make a new RayEngine on the Ray now running"))
+
+    def _ray_here(self) -> bool:
+        """The Ray instance the actors live in is still this process's."""
+        if not self._lost and instance.identity() != self.ray:
+            self._lost = True
+        return not self._lost
 
     def _on(self, got: Any) -> None:
         if self._closed or got is _WAKE:
@@ -293,6 +339,8 @@ class RayTransport:
         a = self._actors[slot]
         a.ping_at = None
         handle = a.handle
+        if not self._ray_here():
+            return
         handle.ready.remote().future().add_done_callback(lambda f, s=slot, h=handle: self._inbox.put(_Pinged(s, h, f)))
 
     def _on_ping(self, got: _Pinged) -> None:
@@ -312,12 +360,17 @@ class RayTransport:
             a.pid, a.rss = msg.pid, msg.rss
             self._events.append(Ready(got.slot, msg.pid, msg.info, msg.node_id))
             return
-        if isinstance(exc, ActorDiedError) and "max_restarts" in str(exc):  # Ray gave up on it
+        if isinstance(exc, ActorDiedError):
+            # dead for good: a ping to an actor Ray restarts waits for it, so this one will
+            # never answer (ray.kill()'s default is no restart; or Ray gave up on it). A start
+            # that failed, counted as one; the next start makes a new actor. Was: pinged again
+            # for ever unless the error said "max_restarts": the slot STARTING for good, and
+            # with one slot every task waited for ever.
             a.fresh = True
             self._events.append(Died(got.slot, a.pid, None, IDLE, startup_error=E.SessionInitError(
                 f"the actor of slot {got.slot} is dead for good: {exc}"), cause=exc))
             return
-        a.ping_at = time.monotonic() + a.backoff  # Ray is still restarting it
+        a.ping_at = time.monotonic() + a.backoff  # Ray is still restarting it (ActorUnavailableError)
         a.backoff = min(a.backoff * 2, MAX_PING_BACKOFF_S)
 
     def _new_actor(self, index: int, spec: SessionSpec | None) -> Any:
