@@ -415,17 +415,27 @@ def test_a_ctrl_c_in_a_hand_run_loops_step_abandons_the_call_not_the_engine(mode
         with Engine(models.mlp, workers=1) as eng:
             for _ in range(3):
                 loop.run_until_complete(eng.infer_async(x))
-            frames = eng._transport.lent_frames  # type: ignore[attr-defined]
+            transport = eng._transport  # type: ignore[attr-defined]
             fired: list[int] = []
 
-            def ctrl_c(slot: int) -> Any:
-                if not fired:
-                    fired.append(slot)
-                    signal.raise_signal(signal.SIGINT)
-                return frames(slot)
+            def ctrl_c(read: Any) -> Any:
+                def reading(slot: int) -> Any:
+                    if not fired:
+                        fired.append(slot)
+                        signal.raise_signal(signal.SIGINT)
+                    return read(slot)
+                return reading
 
-            monkeypatch.setattr(eng._transport, "lent_frames", ctrl_c)  # type: ignore[attr-defined]
-            calls = 3 + _hand_run(eng, loop, x)
+            # the step reads the answer with lent_frames (the express lane's) or read_lent (a
+            # call the general path lent the slot to the loop): which one a call takes depends
+            # on what else is in flight at its accept
+            monkeypatch.setattr(transport, "lent_frames", ctrl_c(transport.lent_frames))
+            monkeypatch.setattr(transport, "read_lent", ctrl_c(transport.read_lent))
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Python's own, as a script has)
+            try:
+                calls = 3 + _hand_run(eng, loop, x)
+            finally:
+                signal.signal(signal.SIGINT, previous)
             monkeypatch.undo()
             assert fired
             again = loop.run_until_complete(asyncio.wait_for(eng.infer_async(x), DEADLOCK_S))

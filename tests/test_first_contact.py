@@ -142,6 +142,20 @@ def test_a_ray_only_setting_is_known_to_the_ray_engine_alone(models: SimpleNames
         RayEngine(models.mlp, cpus_per_slt=1)
 
 
+@pytest.mark.parametrize("cls", [Engine, RayEngine], ids=["Engine", "RayEngine"])
+@pytest.mark.parametrize(("model", "setting", "said"), [
+    ("mlp", {"delegate": "none"}, "are LiteRT settings, and the model is an ONNX model"),
+    ("mlp", {"delegate_options": {"a": "1"}}, "are LiteRT settings, and the model is an ONNX model"),
+    ("tfl_mlp", {"providers": ["CPUExecutionProvider"]}, "the model is a LiteRT \\(.tflite\\) model"),
+])  # fmt: skip
+def test_the_other_runtimes_setting_is_refused_by_name(models: SimpleNamespace, cls: type, model: str,
+                                                        setting: dict[str, Any], said: str) -> None:
+    """delegate= for an ONNX model, providers= for a LiteRT one: a ValueError at the call (was:
+    ignored on both backends, the model run on the CPU path without a word)."""
+    with pytest.raises(ValueError, match=said):
+        cls(getattr(models, model), workers=1, **setting)
+
+
 def test_a_relative_model_path_is_made_absolute(models: SimpleNamespace, backend: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers and Ray actors open the model themselves, from a folder of their own."""

@@ -114,6 +114,18 @@ class EngineConfig:
         )
 
 
+def runtime_settings(backend: str, providers: Any, delegate: Any, delegate_options: Any) -> None:
+    """The runtime's own settings apply to its models alone: `providers` to ONNX Runtime,
+    `delegate` and `delegate_options` to LiteRT. Given for the other runtime's model, a
+    ValueError (was: ignored, and the model ran on the CPU path without a word)."""
+    if backend == "onnxruntime" and (delegate is not None or delegate_options):
+        raise ValueError(f"delegate={delegate!r} / delegate_options are LiteRT settings, and the model is an ONNX "
+                         "model: give ONNX Runtime's execution providers with providers=[...]")
+    if backend == "litert" and providers is not None:
+        raise ValueError(f"providers={list(providers)!r} are ONNX Runtime's execution providers, and the model is a "
+                         "LiteRT (.tflite) model: give a LiteRT delegate with delegate=...")
+
+
 def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     """Validate and fill defaults; raise ValueError/TypeError naming the setting."""
     if kw.get("workers") == "auto":
@@ -166,6 +178,9 @@ def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:
     kw["shm_capacity"] = cap
     kw["initargs"] = tuple(kw.get("initargs", ()))
     kw["delegate_options"] = dict(kw.get("delegate_options") or {})
+    if path is not None:
+        runtime_settings(kw["backend"] or detect_backend(path), kw.get("providers"), kw.get("delegate"),
+                         kw["delegate_options"])
     _check_weights(kw)
     kw["model_digest"] = model_digest(path) if path is not None else ""
     return EngineConfig(model=path, workers=workers, **kw)
