@@ -85,12 +85,16 @@ class Arena:
         self._kept_bytes = 0
         self.committed = 0
         self.fd = _create_fd(backend, label, instance, self.capacity)
-        self._map: mmap.mmap | None = mmap.mmap(self.fd, self.capacity)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
-        try:
+        self._map: mmap.mmap | None = None
+        try:  # (mmap dups the fd: at the limit on open files it fails, and the fd was left open)
+            self._map = mmap.mmap(self.fd, self.capacity)
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
             self._commit(min(self.capacity, initial_commit if initial_commit is not None else self._step))
         except BaseException:
-            self.close()
+            if self._map is None:
+                os.close(self.fd)
+            else:
+                self.close()
             raise
 
     # -- leasing ------------------------------------------------------------------------------

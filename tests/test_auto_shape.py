@@ -95,6 +95,43 @@ def test_auto_workers_on_every_cpu_when_memory_holds_them(models):
     assert len(st.slots) == cpus and "shared weights once" in st.pool_shape, st.pool_shape
 
 
+def _model(tmp: Path, kind: str) -> Path:
+    """A model the probe's made-up inputs do not suit: an integer index into a one-row table
+    (only 0 is in range), or a scalar input listed first."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    if kind == "index":
+        table = helper.make_tensor("table", TensorProto.FLOAT, [1, 4], [1, 2, 3, 4])
+        g = helper.make_graph([helper.make_node("Gather", ["table", "idx"], ["y"])], "g",
+                              [helper.make_tensor_value_info("idx", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], [table])
+    else:
+        g = helper.make_graph([helper.make_node("Mul", ["x", "scale"], ["y"])], "g",
+                              [helper.make_tensor_value_info("scale", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    path = tmp / f"{kind}.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["index", "scalar first"])
+def test_auto_workers_on_a_model_the_probes_inputs_do_not_suit(tmp_path, kind):
+    """workers="auto" builds for a model that serves fine with workers=2: one that refuses the
+    probe's made-up values (the shape is then chosen untimed), or whose first input is a scalar. Was: onnxruntime's own error out of Engine(), or an IndexError."""
+    model = _model(tmp_path, kind)
+    feeds = ({"idx": np.zeros(10, np.int64)} if kind == "index"
+             else {"scale": np.array(2.0, np.float32), "x": np.ones((3, 4), np.float32)})
+    with Engine(model, workers="auto") as eng:
+        got = eng.infer(feeds)["y"]
+        shape = eng.stats().pool_shape
+    assert got.tobytes() == ort_run(model, feeds)["y"].tobytes()
+    assert shape.startswith("workers=")
+
+
 def test_auto_workers_without_a_model():
     with Engine(None, workers="auto", preprocess="tests.hooks:double") as eng:
         st = eng.stats()

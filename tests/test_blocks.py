@@ -297,8 +297,13 @@ def test_errors_at_the_door(backend, models) -> None:  # type: ignore[no-untyped
     with build(backend, models.mlp, workers=1) as eng:
         with pytest.raises(InputContractError, match="dtype"):
             eng.infer(x.astype(np.float64), batch_size=4)  # once, not per block
+        for size in (4, "auto"):  # the caller's own shape (was: "got (0, 8)", the checked slice's)
+            with pytest.raises(InputContractError, match=r"got \(10, 8\)"):
+                eng.infer(x[:, :8].copy(), batch_size=size)
         with pytest.raises(ValueError, match="batch_size"):
             eng.infer(x, batch_size=0)
+        got = eng.infer(x, batch_size=np.int64(4))  # a numpy integer is an integer (was refused)
+        assert got["probs"].tobytes() == eng.infer(x, batch_size=4)["probs"].tobytes()
         with pytest.raises(ValueError, match="same number of rows"):
             eng.infer({"x": x, "y": x[:3]}, batch_size=4)
         with pytest.raises(TypeError, match="rows go as"):

@@ -187,6 +187,32 @@ def test_repeated_start_up_deaths_fail_the_engine_with_a_clear_error(models):
             eng.submit(X)  # the engine failed: submit() says why, not "after close()"
 
 
+@pytest.mark.parametrize("spare", [2, 3, 4, 6])
+def test_an_engine_made_in_a_process_out_of_file_descriptors_says_so(models, spare):
+    """Engine() in a process at its limit on open files, a few to spare: SessionInitError
+    naming RLIMIT_NOFILE, whichever part of the start ran out (its selector's pipe, an arena,
+    a worker), and nothing left behind. Was, with fewer than ~4 to spare: a bare OSError from
+    the selector's os.pipe(), and with 3 an arena's memfd left open (mmap dups the fd, and
+    failed). (With one or none, the model file's own open says so: OSError, its name.)"""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+    try:
+        with contextlib.suppress(OSError):  # every fd the limit allows taken, then `spare` given back
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        for _ in range(spare):
+            os.close(held.pop())
+        with pytest.raises(SessionInitError, match=r"out of file descriptors.*RLIMIT_NOFILE"):
+            Engine(models.mlp, workers=1)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_a_rebuild_in_a_process_out_of_file_descriptors_is_retried_and_the_other_slot_serves(
     models, method, caplog, out_of_fds

@@ -217,6 +217,19 @@ def from_remote(err: RemoteError, task_id: int) -> EngineError:
 
 def unstartable(slot: int, exc: OSError) -> SessionInitError:
     """A worker process the OS would not start, in words that name the limit behind it."""
+    what, why = _os_words(exc)
+    return SessionInitError(f"slot {slot}'s worker process could not be started ({what}){why}")
+
+
+def engine_unstartable(exc: OSError) -> SessionInitError:
+    """The engine's own start refused by the OS (its selector's pipe, its arenas: a process at
+    its limit on open files), in the same words."""
+    what, why = _os_words(exc)
+    return SessionInitError(f"the engine could not start ({what}){why}")
+
+
+def _os_words(exc: OSError) -> tuple[str, str]:
+    """The OS's refusal ("[Errno 24] Too many open files"), and words for the limit behind it."""
     import errno  # (the supervisor's only: a worker never imports these)
     import resource
 
@@ -232,7 +245,7 @@ def unstartable(slot: int, exc: OSError) -> SessionInitError:
     elif exc.errno == errno.ENOMEM:
         why = ": the host is out of memory for a new process"
     what = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)  # (not the file it opened)
-    return SessionInitError(f"slot {slot}'s worker process could not be started ({what}){why}")
+    return what, why
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -38,15 +38,20 @@ def probe(spec: SessionSpec) -> Probe:
 
     session = load_session(dataclasses.replace(spec, threads=1))
     feeds, why = _feeds(session.info.inputs)
-    row_s = {1: _time(session, feeds)} if feeds else {}
+    row_s: dict[int, float] = {}
+    if feeds:
+        try:
+            row_s[1] = _time(session, feeds)
+        except Exception as exc:  # noqa: BLE001 - the model's own: values it refuses (an index past a table)
+            why = f"the model refused made-up inputs ({type(exc).__name__}: {str(exc)[:200]}): not timed"
+            feeds = {}
     me = psutil.Process()
     pinned = getattr(session, "pinned", None)  # the adapters' workers.weights.Pinned
     folder = os.path.dirname(os.path.abspath(pinned.path)) if pinned is not None and pinned.shared else ""
     mapped = sum(m.rss for m in me.memory_maps() if folder and m.path.startswith(folder + os.sep))
     private = max(me.memory_full_info().uss - mapped, 0)
     session.close()
-    rows = next(iter(feeds.values())).shape[0] if feeds else 0
-    return Probe(private, mapped, row_s, rows, why)
+    return Probe(private, mapped, row_s, _rows(feeds) if feeds else 0, why)
 
 
 def time_at(spec: SessionSpec, threads: int) -> float | None:
@@ -55,6 +60,8 @@ def time_at(spec: SessionSpec, threads: int) -> float | None:
     feeds, _ = _feeds(session.info.inputs)
     try:
         return _time(session, feeds) if feeds else None
+    except Exception:  # noqa: BLE001 - (as probe: values the model refuses)
+        return None
     finally:
         session.close()
 
@@ -77,7 +84,7 @@ def _time(session: ModelSession, feeds: dict[str, np.ndarray]) -> float:
     """The fastest call's seconds a row, over calls for up to PROBE_S (one warm-up first)."""
     run = session.run
     run(feeds)
-    rows = next(iter(feeds.values())).shape[0] if feeds else 1
+    rows = _rows(feeds)
     best, end = float("inf"), time.perf_counter() + PROBE_S
     for _ in range(50):
         t0 = time.perf_counter()
@@ -86,3 +93,9 @@ def _time(session: ModelSession, feeds: dict[str, np.ndarray]) -> float:
         if t0 > end:
             break
     return best / max(rows, 1)
+
+
+def _rows(feeds: dict[str, np.ndarray]) -> int:
+    """Rows a call of `feeds` runs: the longest axis 0 among them (a scalar input has none;
+    was: the first input's, an IndexError for a scalar one, and 1 for a fixed first input)."""
+    return max((a.shape[0] for a in feeds.values() if a.ndim), default=1)

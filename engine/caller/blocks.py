@@ -82,7 +82,7 @@ def rows_of(feeds: Any) -> tuple[dict[str, Array], int]:
     return arrays, next(iter(lengths.values()))
 
 
-def slice_rows(arrays: dict[str, Array], lo: int, hi: int) -> Any:
+def slice_rows(arrays: dict[str, Array], lo: int, hi: int | None) -> Any:
     """Rows [lo, hi) as views (a bare array stays bare)."""
     if list(arrays) == [""]:
         return arrays[""][lo:hi]
@@ -110,6 +110,8 @@ class BlockSizer:
 
     def __init__(self, size: int | str | None, in_row_bytes: int, arena_bytes: int, in_flight: int,
                  task_timeout: float | None = None, *, group: bool = True) -> None:
+        if isinstance(size, np.integer):
+            size = int(size)  # (a numpy integer is an integer: np.int64(64) was refused as not one)
         if size is not None and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {size!r}")
         self.fixed = size if isinstance(size, int) else None
@@ -352,4 +354,8 @@ def check_blockable(eng: JobEngine, specs: tuple[TensorSpec, ...], arrays: dict[
     if fixed:
         raise ValueError(f"infer(batch_size=...): input {fixed[0].name!r} has shape {fixed[0].shape}, not a "
                          "dynamic axis 0; rows of this model cannot go in blocks")
-    eng._admit(slice_rows(arrays, 0, 0))  # InputContractError here, not per block
+    try:
+        eng._admit(slice_rows(arrays, 0, 0))  # InputContractError here, not per block
+    except E.InputContractError:
+        eng._admit(slice_rows(arrays, 0, None))  # the same mistake in the caller's own shapes (was: "got (0, 8)")
+        raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import multiprocessing
@@ -76,6 +77,11 @@ class Engine(BaseEngine):
         except CapacityError as exc:
             self._release_shm()
             raise E.ShmCapacityError(str(exc), needed=exc.needed, available=exc.available) from None
+        except OSError as exc:  # (at its limit on open files: its selector's pipe, an arena; was a bare OSError)
+            self._release_shm()
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise E.engine_unstartable(exc) from None
+            raise
         except BaseException:
             self._release_shm()
             raise
