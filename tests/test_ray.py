@@ -594,6 +594,21 @@ def test_inputs_that_do_not_pickle_are_refused_at_submit_on_both(backend: str, m
         assert_mlp(eng.infer({"x": rows(1)}), rows(1))
 
 
+def test_more_slots_than_local_cpus_is_no_local_warning_on_ray(
+    ray_only: SimpleNamespace | None, models: SimpleNamespace
+) -> None:
+    """RayEngine(workers=3) on a 2-CPU host whose cluster holds them (0.5 CPU a slot): no
+    warning about this process's CPUs, which is the local engine's (its workers share them).
+    Was: "workers=3 but this process may use 2 CPUs" for actors that run on the cluster's."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with RayEngine(models.mlp, workers=3, cpus_per_slot=0.5) as eng:
+            assert_mlp(eng.infer({"x": rows(0)}), rows(0))
+    assert not [w for w in seen if "this process may use" in str(w.message)]
+
+
 def test_a_slot_that_cannot_be_placed_stays_starting(
     ray_only: SimpleNamespace | None, models: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -103,7 +103,9 @@ class RayEngine(BaseEngine):
             check_actor_options(actor_options)  # (a function's: at each actor it makes)
         self._ray_options = (address, dict(ray_init_kwargs or {}), cpus_per_slot, actor_options)
         self._given = frozenset(settings)
-        super().__init__(model, **settings)
+        with warnings.catch_warnings():  # (the host's CPUs: actors run on the cluster's, whose fit is checked below)
+            warnings.filterwarnings("ignore", message=r"workers=\d+ but this process may use")
+            super().__init__(model, **settings)
 
     def _start(self) -> None:
         address, ray_init_kwargs, cpus_per_slot, actor_options = self._ray_options
