@@ -103,7 +103,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   contiguous blocks, a session call each, several to a task, cut down to rows when a task
   fails, every row of a call from one model version (blocks a reload swapped under it run
   again: `blocks`); `combine` makes the plain infer() calls that queue under load one task a
-  group (a local engine's; a RayEngine's go alone).
+  group (a local engine's; a RayEngine's go alone); `aio` the asyncio front end, its threads
+  (admission and cancel lanes, stopped by close()) in `lanes`.
 - `engine.local`: `pool.Engine` (steps 1-2; `staged.Staged` is a task's inputs in the input
   arena) and its `supervisor` (the core's owner on `transport.LocalTransport`: spawn, reap,
   pipes, output regions and grants, revoked copies, step 8's copy out in `delivery`);
@@ -114,7 +115,9 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   writable); `forks` keeps a forked child off the parent's workers.
 - `engine.ray`: `RayEngine`, whose slots are Ray actors (`transport.RayTransport`: actor calls,
   Ray's restarts and pings, an inbox of event values; `instance`: the Ray an engine started,
-  shared by the process's RayEngines until the last closes), on the same owner as the local engine:
+  shared by the process's RayEngines until the last closes, told apart by job and node id;
+  that instance gone under the engine, its transport's wait raises TransportLost and every task
+  fails saying so; an actor dead for good is a start that failed), on the same owner as the local engine:
   the same dispatch, timers, replay, quarantine and reload (a slot's actor is replaced once it
   has drained, as a local slot's process is).
 - `engine.job`: the batch job, `slabpool run`. `engine.serve`: `slabpool serve`, the Open
@@ -123,7 +126,8 @@ Where the code is (imports point one way: core <- caller <- local, ray; job on l
   with no usable cache, the source itself, loaded through the descriptor its version was read from.
 - `slabpool.workers.main`: the worker loop (`slabpool.workers.lean`: one plain task in the fewest
   steps, its session call or its calls of `step` rows); `slabpool.workers.pipeline` the steps 5-7 every kind
-  of worker runs (preprocess -> contract -> run -> postprocess); one session per process.
+  of worker runs (preprocess -> contract -> run -> postprocess); one session per process; a
+  worker whose supervisor died is killed by the kernel (O_ASYNC + SIGKILL on its parent sentinel).
 - `slabpool.shm.Arena`: two arenas (inputs, outputs), memfd-backed, owned by the supervisor.
 
 Lifecycles (engine.core.states): Engine ACCEPTING -> DRAINING -> CLOSED; Slot NEW -> STARTING ->

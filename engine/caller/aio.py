@@ -121,8 +121,7 @@ def _express(eng: _Host, inputs: Any, result: bool) -> tuple[Future[Result], asy
     express = getattr(eng, "_express", None)
     if express is None:
         return None
-    got = lanes.all_lanes.get(eng)
-    if got is not None and got.admit.backlog:
+    if _backlog(eng):
         return None
     return cast("tuple[Future[Result], asyncio.Future[Any]] | None",
                 express.call_async(eng, inputs, asyncio.get_running_loop(), result))
@@ -208,8 +207,7 @@ async def _admit(
     `lend`: the caller awaits it at once, and its slot may be lent to this loop (`watch_lend`)."""
     if deadline is not None or block_timeout is not None:
         waits(deadline, block_timeout)  # (the loop's own submit below is given block_timeout=0)
-    lane = lanes.lanes(eng).admit
-    if not lane.backlog and _nbytes(inputs) <= INLINE_COPY_BYTES:
+    if not _backlog(eng) and _nbytes(inputs) <= INLINE_COPY_BYTES:
         submit = functools.partial(eng.submit, inputs, context=context, deadline=deadline, block_timeout=0)
         lending = getattr(eng, "_lending_submit", None) if lend else None
         try:
@@ -217,6 +215,7 @@ async def _admit(
         except QueueFull:
             if block_timeout == 0:
                 raise
+    lane = lanes.lanes(eng).admit  # (started here, at the first call that needs it)
     started = time.monotonic()
     # the lane's count and its put are one step for a Ctrl-C (a hand-run loop on the main
     # thread): one between them left the count up for good, and every later call took the
@@ -234,6 +233,13 @@ async def _admit(
         if not job.cancel():  # already being admitted: cancel what it admits, at once
             job.add_done_callback(functools.partial(_cancel_admitted, eng))
         raise
+
+
+def _backlog(eng: _Host) -> int:
+    """Calls waiting on the engine's admission lane (0 if it has none): a new call queues
+    behind them, in arrival order, neither admitted on the loop nor taken by the express lane."""
+    got = lanes.all_lanes.get(eng)
+    return got.admit.backlog if got is not None else 0
 
 
 def _cancel_admitted(eng: _Host, job: Future[Future[Result]]) -> None:

@@ -99,7 +99,7 @@ def lanes(eng: _Host) -> Lanes:
 def stop_lanes(eng: _Host) -> None:
     """close()'s, once the engine accepts no more: the lanes stop after the jobs already given
     to them (each queued admission then meets the closed engine: EngineClosed, to its caller),
-    and no call starts them again (`_lanes`). Was: two idle threads for as long as the engine
+    and no call starts them again (`lanes`). Was: two idle threads for as long as the engine
     object lived, started again by a call on the closed engine."""
     with _lanes_lock:
         lanes = all_lanes.pop(eng, None)

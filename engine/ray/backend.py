@@ -148,7 +148,7 @@ class RayEngine(BaseEngine):
         if self.config.preprocess is not None:  # the inputs' objects too, as locally (pool._enqueue)
             seal(skeleton, "the inputs")
         nbytes = sum(a.nbytes for a in arrays)
-        if not ray.is_initialized() or instance.identity() != self._transport.ray:
+        if not self._transport.ray_here():
             # (ray.put would start a new local Ray, or put into another: the actors are not there)
             raise E.EngineClosed("Ray was shut down under this engine: it accepts no task; close it, and make a new "
                                  "RayEngine on the Ray now running")

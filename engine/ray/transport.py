@@ -142,7 +142,7 @@ class RayTransport:
 
     def start(self, slot: int, spec: SessionSpec | None) -> int:
         a = self._actors[slot]
-        if not self._ray_here():
+        if not self.ray_here():
             return 0  # (no call of Ray's: it would start a new local Ray; the next wait says it is gone)
         if a.handle is None or a.fresh or a.spec is not spec:
             self._kill_actor(a.handle)
@@ -153,7 +153,7 @@ class RayTransport:
 
     def send(self, slot: int, batch: Batch) -> None:
         a = self._actors[slot]
-        if not self._ray_here():
+        if not self.ray_here():
             return  # (as in start: the next wait fails every task it holds, this batch's too)
         fi = self.cfg.fault_injection
         staged: list[Staged] = [t.inputs for t in batch.tasks]
@@ -175,7 +175,7 @@ class RayTransport:
     def kill(self, slot: int, reason: KillReason, grace: float) -> None:
         a = self._actors[slot]
         for_good = reason.planned
-        if self._ray_here():
+        if self.ray_here():
             self._kill_actor(a.handle, restart=not for_good)
         a.fresh = a.fresh or for_good
         a.dead = a.dead or E.WorkerError(f"the actor of slot {slot} was killed ({reason.value})")
@@ -231,7 +231,7 @@ class RayTransport:
 
     def close(self) -> None:
         self._closed = True  # a late ping or call changes nothing now
-        here = self._ray_here()  # (gone: its actors went with it, and a stale handle's kill hung)
+        here = self.ray_here()  # (gone: its actors went with it, and a stale handle's kill hung)
         for a in self._actors:
             if here:
                 self._kill_actor(a.handle)
@@ -268,13 +268,13 @@ class RayTransport:
         """TransportLost if the Ray instance the actors live in is gone (ray.shutdown() under
         the engine, maybe another ray.init() since): nothing it held will ever answer. Was: the
         tasks in flight never ended, and the next submit started a new local Ray."""
-        if self._closed or self._ray_here():
+        if self._closed or self.ray_here():
             return
         raise TransportLost(E.WorkerError(
             "Ray was shut down under this engine (ray.shutdown(), or its cluster went away): its actors and the "
             "tasks they held are gone; close it, and make a new RayEngine on the Ray now running"))
 
-    def _ray_here(self) -> bool:
+    def ray_here(self) -> bool:
         """The Ray instance the actors live in is still this process's."""
         if not self._lost and instance.identity() != self.ray:
             self._lost = True
@@ -339,7 +339,7 @@ class RayTransport:
         a = self._actors[slot]
         a.ping_at = None
         handle = a.handle
-        if not self._ray_here():
+        if not self.ray_here():
             return
         handle.ready.remote().future().add_done_callback(lambda f, s=slot, h=handle: self._inbox.put(_Pinged(s, h, f)))
 
