@@ -106,8 +106,8 @@ class BaseEngine:
         model: an .onnx or .tflite file (None: preprocess is the whole task). workers: worker
         processes (None: the usable CPUs). Hooks (preprocess, postprocess, initializer) are
         module-level functions or 'module:function' strings; workers import them by name.
-        Each setting is described in README.md ("Settings"); a bad one raises ValueError or
-        TypeError naming it. (Tests inject faults through engine.caller.faults, not here.)"""
+        Each setting's type and default is this signature; what it does, README.md and docs/; a bad
+        one raises ValueError or TypeError naming it (tests inject faults through engine.caller.faults)."""
         settings = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
         injection = faults.armed()
         settings["fault_injection"] = injection is not None
