@@ -71,6 +71,17 @@ def kill_rebuilt(directory: str, first: int, last: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def refuse_rebuilt(directory: str, first: int, last: int) -> None:
+    """An initializer: the k-th worker to start (k = 1, 2, ...) writes `started-k`; the ones
+    from `first` to `last` raise (a start-up error their session reports, as a missing licence
+    server's would, once)."""
+    k = 1
+    while not touch_first(os.path.join(directory, f"started-{k}")):
+        k += 1
+    if first <= k <= last:
+        raise RuntimeError(f"start {k} refused")
+
+
 def shrink_sockets(nbytes: int = 4096) -> int:
     """Shrink the buffers of every Unix socket of this process (a slot's pipe is a socket
     pair) to about `nbytes`: a message larger than that blocks a writer until it is read.

@@ -156,6 +156,23 @@ def test_the_other_runtimes_setting_is_refused_by_name(models: SimpleNamespace, 
         cls(getattr(models, model), workers=1, **setting)
 
 
+@pytest.mark.parametrize(("model", "setting", "other"), [
+    ("mlp", {"providers": ["CPUExecutionProvider"]}, "tfl_mlp"),
+    ("tfl_mlp", {"delegate": "none"}, "mlp"),
+])  # fmt: skip
+def test_a_reload_to_the_other_runtime_keeping_its_settings_is_refused(
+        models: SimpleNamespace, backend: str, model: str, setting: dict[str, Any], other: str) -> None:
+    """The engine's providers= (delegate=) stay with it across a reload: to the other runtime's
+    model they are refused as at construction, before anything is swapped (was: carried over
+    and ignored without a word)."""
+    with build(backend, getattr(models, model), workers=1, **setting) as eng:
+        v1 = eng.model_version
+        with pytest.raises(ValueError, match=r"cannot reload .*: it is (a LiteRT|an ONNX) .*build a new engine"):
+            eng.reload(getattr(models, other))
+        x = _items(1)[0]
+        assert eng.model_version == v1 and eng.submit(x).result(60).model_version == v1
+
+
 def test_a_relative_model_path_is_made_absolute(models: SimpleNamespace, backend: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers and Ray actors open the model themselves, from a folder of their own."""

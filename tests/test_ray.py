@@ -303,6 +303,27 @@ def test_a_model_that_does_not_load_leaves_the_old_one_serving(
     assert {s.model_version for s in st.slots} == {v1} and st.failed == 0
 
 
+def test_a_rollback_whose_slot_fails_once_still_puts_the_old_model_back_everywhere(
+    backend: str, models: SimpleNamespace, v2: Path, tmp_path: Path
+) -> None:
+    """Starts 1-2 build the engine; 3 swaps slot 0 to v2; 4 refuses v2 on slot 1 (the swap
+    fails); 5 refuses slot 1's start back on v1 once. The rollback goes on to slot 0 all the
+    same (it stopped there, and slot 0 served v2 for good while reload() said the old model
+    serves), and slot 1 starts on v1 after its back-off."""
+    with build(backend, models.mlp, initializer="tests.owner_hooks:refuse_rebuilt",
+               initargs=(str(tmp_path), 4, 5)) as eng:
+        v1 = eng.model_version
+        with pytest.raises(E.SessionInitError, match="old model keeps serving"):
+            eng.reload(v2, timeout=120)
+        assert (tmp_path / "started-5").exists()  # the rollback's refused start happened
+        wait_until(lambda: [(s.state, s.model_version) for s in eng.stats().slots] == [("READY", v1)] * 2)
+        results = [eng.submit({"x": rows(i)}).result(timeout=60) for i in range(20)]
+        assert eng.model_version == v1
+    assert {r.model_version for r in results} == {v1}
+    for i, res in enumerate(results):
+        assert res.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": rows(i)})["probs"].tobytes()
+
+
 def test_signature_change_is_refused_unless_allowed(backend: str, models: SimpleNamespace) -> None:
     image = np.ones((1, 3, 16, 16), np.float32)
     with build(backend, models.mlp) as eng:

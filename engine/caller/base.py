@@ -24,6 +24,7 @@ from slabpool.engine.caller import aio, blocks, faults, lanes, mapping
 from slabpool.engine.caller.calls import InitSignature, check_constructor, map_call, public
 from slabpool.engine.caller.handles import Owner, TaskFuture, applier, close_within
 from slabpool.engine.caller.request import Admitted, Outputs, Request, as_block
+from slabpool.engine.core import config as settings
 from slabpool.engine.core.admission import TaskQueue
 from slabpool.engine.core.config import Admission, EngineConfig, MiB, resolve, seconds, waits
 from slabpool.engine.core.metrics import Histogram, Metrics, render
@@ -428,16 +429,17 @@ class BaseEngine:
 
         Raises SessionInitError if the new model fails to load (the old one keeps serving),
         SignatureChanged if its inputs/outputs differ and `allow_signature_change` is False,
+        ValueError if it is the other runtime's model and the engine has providers= or delegate=,
         TimeoutError once `timeout` s have passed (the swap goes on)."""
         seconds("timeout", timeout, at_least=0.0)
         path = os.path.abspath(model)  # (as Engine() makes it: a slot rebuilt after a chdir opens this file)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {os.fspath(model)}")
-        old = self._owner.model_spec()
-        if old is None:
+        if (old := self._owner.model_spec()) is None:
             raise E.EngineError("this engine has no model (model=None): nothing to reload")
-        spec = dataclasses.replace(old, path=path, backend=self.config.backend or detect_backend(path),
-                                   digest=model_digest(path))  # the new version, pinned
+        backend = self.config.backend or detect_backend(path)
+        settings.runtime_settings(backend, old.providers, old.delegate, old.delegate_options, reload=path)
+        spec = dataclasses.replace(old, path=path, backend=backend, digest=model_digest(path))  # the new version
         plan = self._reload_plan(spec, old, drain_slot, allow_signature_change, apply=applier(self._weak))
         self._owner.call(self._owner.start_reload, plan).result()  # EngineClosed once it has stopped
         if not plan.done.wait(timeout):
@@ -478,8 +480,8 @@ class BaseEngine:
 
     def _tally(self, *, accepted: int = 0, completed: int = 0, failed: int = 0, cancelled: int = 0) -> None:
         """Count the caller's items of chunks and blocks (their tasks count none themselves)."""
-        c = self._queue.counters
         with self._queue.lock:
+            c = self._queue.counters
             c.items_accepted += accepted
             c.items_completed += completed
             c.items_failed += failed
@@ -495,6 +497,4 @@ class BaseEngine:
     def _mark_closed(self) -> None:
         """The owner thread has stopped every slot: the engine is CLOSED."""
         with self._close_lock:
-            if self._state is EngineState.ACCEPTING:
-                self._state = EngineState.DRAINING
             self._state = EngineState.CLOSED

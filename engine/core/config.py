@@ -114,16 +114,24 @@ class EngineConfig:
         )
 
 
-def runtime_settings(backend: str, providers: Any, delegate: Any, delegate_options: Any) -> None:
+def runtime_settings(backend: str, providers: Any, delegate: Any, delegate_options: Any,
+                     reload: str | None = None) -> None:
     """The runtime's own settings apply to its models alone: `providers` to ONNX Runtime,
     `delegate` and `delegate_options` to LiteRT. Given for the other runtime's model, a
-    ValueError (was: ignored, and the model ran on the CPU path without a word)."""
+    ValueError (was: ignored, and the model ran on the CPU path without a word); at a
+    `reload` of that model (its path), the engine's settings are what was given."""
     if backend == "onnxruntime" and (delegate is not None or delegate_options):
-        raise ValueError(f"delegate={delegate!r} / delegate_options are LiteRT settings, and the model is an ONNX "
-                         "model: give ONNX Runtime's execution providers with providers=[...]")
-    if backend == "litert" and providers is not None:
-        raise ValueError(f"providers={list(providers)!r} are ONNX Runtime's execution providers, and the model is a "
-                         "LiteRT (.tflite) model: give a LiteRT delegate with delegate=...")
+        setting, whose, model = f"delegate={delegate!r} / delegate_options", "LiteRT settings", "an ONNX model"
+        fix = "give ONNX Runtime's execution providers with providers=[...]"
+    elif backend == "litert" and providers is not None:
+        setting, whose = f"providers={list(providers)!r}", "ONNX Runtime's execution providers"
+        model, fix = "a LiteRT (.tflite) model", "give a LiteRT delegate with delegate=..."
+    else:
+        return
+    if reload is not None:
+        raise ValueError(f"cannot reload {reload}: it is {model}, and this engine was built with {setting} ({whose}), "
+                         "which a reload keeps: build a new engine for this model (nothing was swapped)")
+    raise ValueError(f"{setting} are {whose}, and the model is {model}: {fix}")
 
 
 def resolve(model: str | os.PathLike[str] | None, **kw: Any) -> EngineConfig:

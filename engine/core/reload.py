@@ -6,7 +6,11 @@ One slot at a time (the others keep serving), in `order`. A slot's new session i
 `spec`; once it is up, its signature is checked against the engine's (unless `allow_change`)
 and the next slot follows. If the new model fails on a slot, the swap stops, that slot keeps
 (or gets back) the old model, and the slots already swapped are swapped back (a `rollback`
-plan); reload() raises once the old model serves on every slot again. Every Result carries
+plan); reload() raises once the old model serves on every slot again. A rollback goes through
+every slot in its order: one whose start on the old model fails (a transient start-up error)
+is left to the owner's start-up retries on the old model, and the next is swapped back all the
+same (was: the rollback stopped there, and a slot already swapped served the new model for good
+while reload() said the old one serves). Every Result carries
 the version of the slot that computed it.
 
 The plan is driven by the owner thread (engine.core.coordinator), the same on every backend:
@@ -88,9 +92,10 @@ class ReloadPlan:
             f"the new model's signature differs: inputs {_fmt(new.inputs)} outputs {_fmt(new.outputs)}, "
             f"was inputs {_fmt(old.inputs)} outputs {_fmt(old.outputs)}")
 
-    def advance(self, info: SessionInfo) -> bool:
-        """The slot being swapped runs the new model: True if it was the last one."""
-        self.info = info
+    def advance(self, info: SessionInfo | None) -> bool:
+        """The slot being swapped runs the new model (`info`; None: not yet, a rollback's slot
+        left to the owner's start-up retries): True if it was the last one."""
+        self.info = info or self.info
         self._at += 1
         return self._at == len(self.order)
 
@@ -142,8 +147,14 @@ class ReloadPlan:
         refused = self.refused(owner.info, slot.info)
         if refused is not None:
             self._fail(owner, slot, refused)
-        elif self.advance(slot.info):
-            owner.end_reload(self, slot.info)
+        else:
+            self._next(owner, slot.info)
+
+    def _next(self, owner: Swapper, info: SessionInfo | None) -> None:
+        """The slot being swapped is done (`info`: it runs the new model; None: a rollback's slot
+        left to start on the old one): the next slot, or the end of the swap."""
+        if self.advance(info):
+            owner.end_reload(self, self.info)
             self.settle()
         else:
             self.retries = 0
@@ -157,20 +168,22 @@ class ReloadPlan:
         owner's start-up retries (and their limit)."""
         if not self._current(slot):
             return False
+        if self.then is not None:  # a rollback: the slot keeps the old spec, left to the owner's
+            self._next(owner, None)  # start-up retries (and their limit), and the rollback goes on:
+            return False  # every other slot swapped already must get the old model back too
         if not reported and self.retries < RELOAD_RETRIES:
             self.retries += 1
             return False  # the owner starts it again, on the new model, after a back-off
         self._fail(owner, slot, SessionInitError(
             f"the new model failed to load on slot {slot.index}; the old model keeps serving: {why}"))
-        return self.then is None
+        return True
 
     def _fail(self, owner: Swapper, slot: SlotRecord, error: BaseException) -> None:
+        """The swap stops: this slot, then the ones already swapped, back to the old model (a
+        rollback never fails: it allows any signature, and goes on past a slot that fails)."""
         self.error = error
         owner.end_reload(self, None)
-        if self.then is None:  # this slot, then the ones already swapped, back to the old model
-            owner.start_reload(self.rollback([slot.index, *self.swapped()]))
-        else:
-            self.settle()
+        owner.start_reload(self.rollback([slot.index, *self.swapped()]))
 
 
 def _signature(info: SessionInfo) -> tuple[object, ...]:
