@@ -33,6 +33,7 @@ from slabpool.workers.errors import TaskCancelled
 from tests.owner_hooks import DEADLOCK_S
 from tests.ray_support.plugin import RAY
 from tests.ray_support.plugin import build as build_on
+from tests.reference import ort_run
 
 X = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
 BATCH = 8  # tasks in the batch that dies: a group of 8 goes ahead to a busy slot (MIN_GROUP)
@@ -225,3 +226,28 @@ def test_a_cancelled_queued_task_is_done_for_wait_and_as_completed(models, tmp_p
         st = eng.stats()
     assert (st.accepted, st.completed, st.cancelled) == (2, 1, 1)
     assert ran.read_text().split() == ["?"]  # (the cancelled one never ran)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["cancel", "kill"])
+def test_a_task_sent_ahead_and_cancelled_never_runs(models, tmp_path, kill):
+    """A task sent ahead to a busy slot (inflight_per_slot=2) and cancelled before it starts is
+    taken back: its worker skips it, so the calls behind it do not wait for it (was: it ran,
+    its result dropped; a server's request whose client had gone ran all the same), and
+    kill=True rebuilds no worker for it. Its inputs are freed once the worker has answered."""
+    gate, ran = tmp_path / "gate", tmp_path / "ran"
+    with Engine(models.mlp, workers=1, preprocess="tests.hooks:gated") as eng:
+        held = eng.submit({"x": X[:1], "gate": str(gate), "log": str(ran), "id": "held"})
+        wait_until(ran.exists, "the first task held in its worker")
+        ahead = eng.submit({"x": X[:1], "log": str(ran), "id": "ahead"})
+        wait_until(lambda: eng.stats().queued == 0, "the second task sent ahead to the busy slot")
+        assert eng.cancel(ahead, kill=kill)
+        with pytest.raises(TaskCancelled, match="sent ahead to a worker: taken back"):
+            ahead.result(timeout=DEADLOCK_S)
+        gate.touch()
+        assert held.result(timeout=DEADLOCK_S).outputs["probs"].shape == (1, 8)
+        after = eng.submit({"x": X[:1], "log": str(ran), "id": "after"}).result(timeout=DEADLOCK_S)
+        assert after.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": X[:1]})["probs"].tobytes()
+        wait_until(lambda: eng.stats().shm_inputs_used == 0, "every input freed")
+        st = eng.stats()
+    assert ran.read_text().split() == ["held", "after"]  # (the cancelled one never ran)
+    assert (st.accepted, st.completed, st.cancelled, st.restarts) == (3, 2, 1, 0)

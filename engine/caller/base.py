@@ -391,9 +391,9 @@ class BaseEngine:
         await aio.close_async(self, cancel_pending=exc_type is not None)
 
     def cancel(self, future: Future[Result], *, kill: bool = False) -> bool:
-        """Cancel a task. Queued: it never runs. Running: its result is never delivered (it ends
-        with TaskCancelled now; its buffers are freed once the run really ends); with
-        `kill=True` its slot is rebuilt to stop the computation, and the slot's other tasks replay.
+        """Cancel a task. Queued (or sent ahead to a busy worker, locally): it never runs. Running:
+        its result is never delivered (it ends with TaskCancelled now; its buffers are freed once
+        the run ends); `kill=True` rebuilds its slot to stop the run, and the slot's other tasks replay.
         In a process that got the engine through os.fork: False, and nothing is touched."""
         if future.cancel():  # (TaskFuture.cancel: False in such a process; so is the owner's call)
             return True

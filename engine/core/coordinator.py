@@ -89,9 +89,27 @@ class Coordinator:
         self.ledger.close(cancel_pending)
 
     def cancel(self, task: Task, kill: bool) -> bool:
-        cancelled = self.ledger.cancel(task, kill)
+        """Queued: it never runs. Sent ahead to a slot, alone in its batch, and not started: taken
+        back (a Revoke: the worker skips it), so it never runs either (was: it ran, its result
+        dropped, while the calls behind it waited). Running: its result is dropped, `kill` stops it."""
+        ahead = self._sent_ahead_alone(task)
+        cancelled = self.ledger.cancel(task, kill and ahead is None, started=ahead is None)
+        if cancelled and ahead is not None:
+            self.watchdog.revoke(*ahead)  # (its inputs stay pinned until the worker answers)
         self.fast.review(time.monotonic())  # a lent task's caller goes back to its Future now
         return cancelled
+
+    def _sent_ahead_alone(self, task: Task) -> tuple[SlotRecord, Batch] | None:
+        """The slot and batch of a task sent ahead (behind its slot's running batch), if no other
+        task of that batch is still to end (taking it back then re-runs nothing elsewhere)."""
+        batch = task.in_batch
+        if batch is None or task.state is not TaskState.RUNNING or not self.transport.takes_back:
+            return None
+        for slot in self.slots:
+            if batch in slot.batches:
+                alone = all(t is task or t.state.is_terminal for t in batch.tasks)
+                return (slot, batch) if alone and not batch.revoked and slot.batches[0] is not batch else None
+        return None
 
     def abort(self, reason: str) -> None:
         """close() ran out of time: cancel everything, stop every worker now. Its callers are

@@ -134,13 +134,18 @@ class TaskLedger:
 
     # -- what callers ask for (through owner.call) -----------------------------------------------
 
-    def cancel(self, task: Task, kill: bool) -> bool:
-        """Queued: it never runs. Running: its result is never delivered; `kill` stops it."""
+    def cancel(self, task: Task, kill: bool, started: bool = True) -> bool:
+        """Queued: it never runs. Running: its result is never delivered; `kill` stops it.
+        (`started` False: it was sent ahead to a slot, which the owner takes it back from.)"""
         if task.state.is_terminal:
             return False
         if task.state is TaskState.QUEUED and self.queue.discard(task):
             where = "while it waited to run again" if task.attempts else "while queued"
             self.finish(task, error=cancelled(task, f"cancelled {where}"))
+            return True
+        if not started:
+            self.finish(task, error=cancelled(task, "cancelled while sent ahead to a worker: taken back before it "
+                                              "starts (begun meanwhile, its result is dropped)"))
             return True
         self.finish(task, error=cancelled(task, "cancelled while running; its result is dropped"))
         if kill:

@@ -120,6 +120,7 @@ class SlotTransport(Protocol):
     quorum: int  # slots that must be up before the engine's constructor returns
     startup_bound: bool  # a slot not up within startup_timeout is killed (a start-up failure)
     can_lend: bool  # a slot's pipe can be lent to the caller that waits on it (engine.core.fastpath)
+    takes_back: bool  # a batch sent ahead and revoked never starts (its worker skips it; else it runs, unread)
 
     def start(self, slot: int, spec: SessionSpec | None) -> int:
         """Build a new incarnation of `slot` on `spec` (after a death, or its first); its pid

@@ -108,7 +108,7 @@ class Watchdog:
         head = slot.batches[0]
         idle = self.transport.in_hand(slot.index).task == IDLE  # it has taken no task of its head yet
         held, ids, since = len(head.tasks), [t.id for t in head.tasks][:8], now - (head.started_at or now)
-        moved = sum(self._revoke(slot, b) for b in list(slot.batches)[0 if idle else 1 :] if not b.revoked)
+        moved = sum(self.revoke(slot, b) for b in list(slot.batches)[0 if idle else 1 :] if not b.revoked)
         if idle:
             log.warning(
                 "slot %d (pid %d) has not taken the batch of %d task(s) sent to it %.1f s ago (task ids "
@@ -120,7 +120,7 @@ class Watchdog:
             "ids %s); it gets no more work, and the %d task(s) sent ahead to it run elsewhere. Set "
             "task_timeout to stop a task that runs too long.", slot.index, slot.pid, since, held, ids, moved)
 
-    def _revoke(self, slot: SlotRecord, batch: Batch) -> int:
+    def revoke(self, slot: SlotRecord, batch: Batch) -> int:
         """Take back a batch sent ahead: its live tasks to the queue (the transport gave them
         copies of their inputs). 0 if it could not now (tried again on the next stall)."""
         live = [t for t in batch.tasks if t.state is TaskState.RUNNING]

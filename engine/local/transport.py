@@ -83,6 +83,7 @@ class LocalTransport:
         self.quorum = cfg.workers
         self.startup_bound = True
         self.can_lend = True
+        self.takes_back = True  # (a worker looks for a Revoke before it starts a batch: workers.main)
         self.spin_s = cfg.spin_us / 1e6  # a lent batch's worker polls this long for the next (RunBatch.spin)
         self._peers: Callable[[], int] = lambda: 0  # the engine's tasks polling beside a lent call (attach)
         self._lock = OwnerLock()  # the owner's (attach): let go of around the wait

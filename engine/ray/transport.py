@@ -115,6 +115,7 @@ class RayTransport:
     """Every slot's actor. Called from the owner thread only (`wake` and the callbacks from any)."""
 
     can_lend = False  # an actor's answer comes through Ray, to the owner thread (engine.core.fastpath)
+    takes_back = False  # a call sent to an actor runs (its answer dropped once revoked)
     startup_bound = False  # Ray places an actor when resources allow: a slot may wait STARTING
 
     def __init__(self, cfg: EngineConfig, cpus_per_slot: float,
