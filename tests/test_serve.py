@@ -213,6 +213,8 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     "no inputs": ("mlp", {"inputs": []}, 400, ["inputs"]),
     "not json": ("mlp", b"{nope", 400, ["JSON"]),
     "unknown output": ("mlp", {"inputs": [X], "outputs": [{"name": "zz"}]}, 400, ["'zz'", "probs"]),
+    "output twice": ("mlp", {"inputs": [X], "outputs": [{"name": "probs"}, {"name": "probs"}]}, 400,
+                     ["'probs'", "more than once"]),  # (was: answered twice)
     "bad timeout": ("mlp", {"inputs": [X], "parameters": {"timeout": "soon"}}, 400, ["timeout"]),
     "unknown model": ("nope", {"inputs": [X]}, 404, ["'nope'", "mlp"]),
     # JSON data is read as the datatype names it, never cast (was: 1.5 -> 1, "1" -> 1.0, null -> nan,
@@ -259,6 +261,43 @@ def test_errors_are_the_protocols_error_object(server, case):
     msg = r.json()["error"]
     for w in words:
         assert w in msg, (w, msg)
+
+
+def test_json_data_may_hold_nan_and_infinities_as_tritonclient_sends_them(server, models):
+    """tritonclient.http with binary_data=False writes NaN / Infinity / -Infinity tokens, as this
+    server writes them in its own JSON outputs (was: 400 "not valid JSON": orjson refuses them)."""
+    x = np.full((1, 16), 0.5, np.float32)
+    x[0, :3] = [np.nan, np.inf, -np.inf]
+    with thttp.InferenceServerClient(server.url.removeprefix("http://")) as c:
+        inp = thttp.InferInput("x", [1, 16], "FP32")
+        inp.set_data_from_numpy(x, binary_data=False)
+        got = c.infer("mlp", [inp], outputs=[thttp.InferRequestedOutput("probs", binary_data=False)])
+    np.testing.assert_array_equal(got.as_numpy("probs"), ort_run(models.mlp, {"x": x})["probs"])
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", content=b'{"inputs": [{"name": "x", "shape": [1, 16], '
+                   b'"datatype": "FP32", "data": [NaN, Infinity, -Infinity' + b", 0.5" * 13 + b"]}]}")
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/v2/models/ints/infer", content=b'{"inputs": [{"name": "x", "shape": [1, 4], '
+                   b'"datatype": "INT32", "data": [NaN, 1, 2, 3]}]}')
+    assert r.status_code == 400 and "INT32 data must be integers" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("client", ["http", "grpc"])
+def test_no_output_named_answers_every_output(server, client):
+    """`"outputs": []` over HTTP answers every output, as gRPC reads an empty list and as no
+    "outputs" at all reads (was: an answer with no outputs)."""
+    if client == "http":
+        r = httpx.post(f"{server.url}/v2/models/mlp/infer", json={"inputs": [X], "outputs": []})
+        assert r.status_code == 200, r.text
+        names = [o["name"] for o in r.json()["outputs"]]
+    else:
+        with tgrpc.InferenceServerClient(server.grpc_url) as c:
+            inp = tgrpc.InferInput("x", [1, 16], "FP32")
+            inp.set_data_from_numpy(np.full((1, 16), 0.5, np.float32))
+            names = [o.name for o in c.infer("mlp", [inp], outputs=[]).get_response().outputs]
+            twice = [tgrpc.InferRequestedOutput("probs")] * 2
+            with pytest.raises(InferenceServerException, match="more than once"):
+                c.infer("mlp", [inp], outputs=twice)  # (was: answered twice)
+    assert sorted(names) == ["logits", "probs"]
 
 
 @pytest.mark.parametrize("path", ["/v2/models/mlp/foo/infer", "/v2/models/mlp/versions/infer",
@@ -767,6 +806,20 @@ def test_grpc_input_given_twice_is_refused():
                 t.contents.int_contents.append(1)
         with pytest.raises(BadRequest, match="input 'x' is given twice"):
             serve_grpc.decode_request(req, None)
+
+
+def test_a_postprocess_list_of_strings_keeps_every_byte():
+    """A postprocess returns strings as a list (an object array cannot cross shared memory):
+    each goes out whole (was: numpy's fixed-width S/U strings dropped trailing NULs, b"\\x00"
+    came back as b"")."""
+    from slabpool.engine.serve import tensors
+
+    words = [b"a\x00b", b"\x00", b"pb\x08\x00", b""]
+    arr = tensors.as_output("s", words)
+    assert arr.dtype == object and list(arr) == words
+    assert tritonclient_bytes(tensors.to_bytes(arr)) == words
+    nested = tensors.as_output("t", [["x\x00", "y"], ["", "\x00"]])
+    assert nested.shape == (2, 2) and nested.tolist() == [["x\x00", "y"], ["", "\x00"]]
 
 
 def test_string_outputs_go_out_as_bytes_json_and_binary():

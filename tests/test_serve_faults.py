@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import re
 import signal
 import socket
@@ -506,22 +507,29 @@ def test_each_answer_during_a_reload_names_the_version_that_computed_it(models, 
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_reload_whose_worker_never_starts_exits_at_once(models, tmp_path, gate_file):
+@pytest.mark.parametrize("loads", [1, (os.cpu_count() or 1) + 5], ids=["one-load", "more-loads-than-threads"])
+def test_sigterm_during_a_reload_whose_worker_never_starts_exits_at_once(models, tmp_path, gate_file, loads):
     """Was (a hostile run): the engines were closed after the event loop, whose shutdown waited
     for the reload's thread, which waited for a worker held at start: the process never exited
     (90 s and more), and the load's client got uvicorn's plain 500. Now the engines close in
-    the loop: the reload ends, its client gets 503, the server exits 0 and leaves nothing."""
+    the loop: the reload ends, its client gets 503, the server exits 0 and leaves nothing.
+    And with more loads waiting than the loop's executor has threads (min(32, CPUs + 4)): each
+    waiting load held a thread, the close got none, and SIGTERM never exited; now a waiting
+    load holds none, and the close has a thread of its own."""
     srv = Server(f"mlp={models.mlp}", "--workers", "2", *HOOKS, env={GATE_ENV: str(gate_file)})
     _servers.append(srv)
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(loads) as pool:
             gate_file.touch()  # (the reload's new worker waits at start)
-            load = pool.submit(httpx.post, f"{srv.url}/v2/repository/models/mlp/load", json={}, timeout=120)
+            sent = [pool.submit(httpx.post, f"{srv.url}/v2/repository/models/mlp/load", json={}, timeout=120)
+                    for _ in range(loads)]
             wait_for(lambda: _slots(srv, "STARTING") == 1, "the reload's worker to wait at start")
             assert post(srv, _x(90))[0] == 200  # (the other slot serves on)
             assert srv.stop(timeout=30) == 0
-            r = load.result()
-            assert r.status_code == 503 and "reload of 'mlp' ended" in r.json()["error"], r.text
+            answers = [f.result() for f in sent]
+            for r in answers:
+                assert r.status_code == 503, r.text
+            assert sum("reload of 'mlp' ended" in r.json()["error"] for r in answers) >= 1, answers[0].text
     finally:
         gate_file.unlink(missing_ok=True)
         _servers.remove(srv)

@@ -246,7 +246,12 @@ _HTTP_CODES = {s: str(s.http) for s in Status}
 
 def _check_outputs(served: Served, outputs: list[Requested]) -> None:
     """Outputs asked for that the model does not have: 400 before anything runs (a postprocess
-    may return other names: then they are checked against what it returned)."""
+    may return other names: then they are checked against what it returned). A name asked for
+    twice is 400 too (was: answered twice)."""
+    names = [r.name for r in outputs]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise BadRequest(f"output(s) {twice} requested more than once; name each output once")
     if served.engine.config.postprocess is not None:
         return
     known = [s.name for s in served.engine.describe().outputs]

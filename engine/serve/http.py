@@ -304,7 +304,10 @@ def _json(data: bytes | memoryview) -> dict[str, Any]:
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        try:  # NaN / Infinity / -Infinity: not JSON, but what tritonclient sends (and this server writes)
+            obj = json.loads(bytes(data))  # for such floats; orjson refuses them, Python's json reads them
+        except ValueError:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -450,6 +453,8 @@ def _outputs(outputs: Any, binary: bool) -> list[Requested] | None:
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 for o in outputs):
         raise BadRequest(f"\"outputs\" must be a list of {{\"name\": ...}} objects, got {str(outputs)[:200]}")
+    if not outputs:
+        return None  # (none named: every output, as gRPC reads an empty list; was: none at all)
     return [Requested(o["name"], _flag(_params(o.get("parameters"), f"output {o['name']!r}"), "binary_data",
                                        f"output {o['name']!r}", binary))
             for o in outputs]

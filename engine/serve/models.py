@@ -9,7 +9,6 @@ from `describe()`, so a reload shows the new version at once.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ class Served:
     name: str
     path: str
     engine: Engine
-    _reloading: threading.Lock = field(default_factory=threading.Lock)
+    _reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # (a waiting load holds no thread)
 
     @property
     def version(self) -> str:
@@ -58,14 +57,10 @@ class Served:
     async def reload(self, path: str | None = None) -> str:
         """Swap the model slot by slot while it serves (Engine.reload); one reload at a time."""
         target = path or self.path
-
-        def swap() -> str:
-            with self._reloading:
-                version = self.engine.reload(target)
-                self.path = target
-                return version
-
-        return await asyncio.to_thread(swap)
+        async with self._reloading:  # (was a thread's lock: each waiting load held one of the loop's
+            version = await asyncio.to_thread(self.engine.reload, target)  # executor threads, and with
+            self.path = target  # them all held, the shutdown's close never ran: SIGTERM did not exit)
+            return version
 
 
 def _tensor(spec: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -111,7 +112,8 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         # starts) ends with EngineClosed, its request answered. Closed after the loop (was), its
         # thread held the loop's executor, whose shutdown waited for it: the process never exited.
         # Not drained: what is left is cancelled, and answers 503 before the servers stop.
-        await asyncio.to_thread(fe.repo.close, 5.0, not drained)
+        with ThreadPoolExecutor(1, thread_name_prefix="slabpool-serve-close") as own:  # (not the loop's
+            await loop.run_in_executor(own, fe.repo.close, 5.0, not drained)  # executor: reloads may hold it)
         if not drained:
             await fe.wait_idle(5.0)
     finally:

@@ -220,6 +220,8 @@ def as_output(name: str, value: Any) -> np.ndarray[Any, Any]:
     if type(value) is np.ndarray and value.dtype in _NAME_OF and value.flags.c_contiguous:
         return value  # what the engine returns: nothing to do
     arr = np.asarray(value)
+    if arr.dtype.kind in "SU" and type(value) is not np.ndarray:  # (a postprocess's list of strings:
+        arr = np.array(value, dtype=object)  # fixed-width S/U would drop each string's trailing NULs)
     if arr.dtype.kind in "OSU":
         return arr
     if arr.dtype.byteorder == ">":
