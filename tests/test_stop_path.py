@@ -24,6 +24,7 @@ from slabpool.workers.protocol import FaultSpec
 from tests.models import onnx_models
 from tests.owner_hooks import DEADLOCK_S
 from tests.ray_support.plugin import build
+from tests.reference import ort_run
 from tests.test_cancel_replay import wait_until
 
 X = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
@@ -273,3 +274,27 @@ def test_out_of_memory_copying_one_tasks_outputs_fails_that_task_alone(models, t
         else:
             assert got == 2
     assert (state, memfds) == ("CLOSED", 0)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_start_killed_from_outside_while_the_engine_is_built_is_retried(models, tmp_path, start_method):
+    """Engine() with 2 workers; the first worker to start is SIGKILLed (from outside, as the OOM
+    killer would) before its Ready: its slot is retried after the back-off and Engine() returns
+    a serving engine (was: Engine() raised "died during start-up", and a `slabpool run` job
+    failed saying the model failed to load, with the model and the other worker fine)."""
+    eng = Engine(models.mlp, workers=2, start_method=start_method, initializer="tests.owner_hooks:kill_rebuilt",
+                 initargs=(str(tmp_path), 1, 1))
+    with eng:
+        got = eng.infer(X)["probs"]
+        st = eng.stats()
+    assert (tmp_path / "started-3").exists()  # (the killed start was made again)
+    assert st.restarts == 1 and all(s.state == "READY" for s in st.slots)
+    assert got.tobytes() == ort_run(models.mlp, {"x": X})["probs"].tobytes()
+
+
+def test_starts_killed_again_and_again_while_the_engine_is_built_fail_it_saying_so(models, tmp_path):
+    """Every start SIGKILLed: Engine() raises once a slot has failed MAX_STARTUP_FAILURES times
+    in a row, naming the signal and the retries; never a silent respawn loop, nothing left."""
+    with pytest.raises(SessionInitError, match=r"died during start-up[\s\S]*SIGKILL[\s\S]*failed 4 time\(s\) before"):
+        Engine(models.mlp, workers=2, initializer="tests.owner_hooks:kill_rebuilt", initargs=(str(tmp_path), 1, 10**6))
+    assert MAX_STARTUP_FAILURES == 5

@@ -140,23 +140,54 @@ class Coordinator:
 
     def _wait_quorum(self, deadline: float) -> None:
         while (up := sum(s.state is SlotState.READY for s in self.slots)) < self.transport.quorum:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if deadline - now <= 0:
                 error = self.transport.startup_timeout_error(self.cfg.startup_timeout, up)
                 if error is None:
                     return
                 raise error
+            waits = [deadline - now]
+            for slot in self.slots:  # (a start killed from outside, retried after its back-off)
+                if slot.respawn_at is not None and slot.state is SlotState.DEAD:
+                    if slot.respawn_at <= now:
+                        slot.respawn_at = None
+                        self.spawn(slot, retry=False)
+                    else:
+                        waits.append(slot.respawn_at - now)
             try:
-                events = self.transport.wait(left)
+                events = self.transport.wait(min(waits))
             except TransportLost as lost:
                 raise lost.error from None
             for ev in events:
                 if type(ev) is Died:
-                    raise ev.startup_error or E.SessionInitError(f"slot {ev.slot} died during start-up: {ev.cause}")
+                    self._died_starting(ev)
                 if type(ev) is Ready:
                     self._on_ready(ev)
             if self.ledger.failure is not None:
                 raise self.ledger.failure
+
+    def _died_starting(self, ev: Died) -> None:
+        """A worker died before the engine's first quorum. Its session said why (a model or an
+        initializer that fails: every start would), or it exited before slabpool's code ran:
+        raised at once. Killed by a signal (from outside: the OOM killer): retried after the
+        back-off, as a start-up death once the engine runs (was: Engine() failed, saying the
+        model failed to load), and raised after MAX_STARTUP_FAILURES in a row."""
+        slot = self.slots[ev.slot]
+        cause = ev.cause or (describe_exit(ev.exitcode) if ev.exitcode is not None else "an unknown cause")
+        error = ev.startup_error or E.SessionInitError(f"slot {ev.slot} died during start-up: {cause}")
+        by_signal = ev.exitcode is not None and ev.exitcode < 0  # (an exit of its own, before slabpool's
+        # code ran: an import of the main module that raises, say; every start would do the same)
+        if (slot.state is not SlotState.STARTING or ev.reported or not by_signal
+                or slot.startup_failures + 1 >= MAX_STARTUP_FAILURES):
+            if slot.startup_failures:
+                error.add_note(f"(its start had failed {slot.startup_failures} time(s) before, each retried)")
+            raise error
+        slot.fire(SlotEvent.DIE)
+        slot.startup_failures += 1
+        slot.restarts += 1
+        delay = min(0.1 * 2 ** (slot.startup_failures - 1), 5.0)
+        log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
+        slot.respawn_at = time.monotonic() + delay
 
     def spawn(self, slot: SlotRecord, retry: bool = True) -> None:
         """A new incarnation of the slot, on its spec (the crash path's b; a reload's swap).
