@@ -100,6 +100,7 @@ def test_failing_rows_of_an_npz_fail_alone(tmp_path: Path, models: SimpleNamespa
     out = tmp_path / "out.npy"
     p = slabpool("run", models.poison, tmp_path / "in.npz", "-o", out, "--workers", 2, "--batch-size", 256)
     assert p.returncode == 2, p.stderr
+    assert "onnxruntime" not in p.stderr, p.stderr  # (was: ORT's own log line of each failing call, ~20)
     failures = [json.loads(ln) for ln in Path(f"{out}.parts/failures.jsonl").read_text().splitlines()]
     assert [(f["index"], f["error"]) for f in failures] == [(i, "SessionRunError") for i in bad]
     y = np.load(out)
@@ -107,6 +108,20 @@ def test_failing_rows_of_an_npz_fail_alone(tmp_path: Path, models: SimpleNamespa
     good = np.setdiff1d(np.arange(n), bad)
     np.testing.assert_allclose(y[good], x[good] + (np.arange(40, dtype=np.float32) / 8).reshape(10, 4)[idx[good]],
                                rtol=1e-6)
+
+
+def test_a_run_where_every_item_fails_says_no_output_and_no_latency(tmp_path: Path, models: SimpleNamespace) -> None:
+    """Every row fails (--max-failures 100%): exit 2, the summary says OUTPUT was not written
+    and names no "output:" (was: both), and latency is "-" / null (was: 0.0 ms, no task timed)."""
+    n = 20
+    np.savez(tmp_path / "in.npz", idx=np.full(n, 77, np.int64), x=np.ones((n, 4), np.float32))
+    out = tmp_path / "out.npz"
+    p = slabpool("run", models.poison, tmp_path / "in.npz", "-o", out, "--workers", 2, "--max-failures", "100%")
+    assert p.returncode == 2, p.stderr
+    assert f"no item succeeded: {out} was not written" in p.stdout and "output:" not in p.stdout, p.stdout
+    assert "latency - (no task ended well)" in p.stdout and not out.exists()
+    report = json.loads(Path(f"{out}.parts/report.json").read_text())
+    assert report["failed"] == n and report["latency_s"] == {"p50": None, "p95": None, "p99": None}
 
 
 @pytest.mark.slow
@@ -139,6 +154,7 @@ def test_tiny_jsonl_items_go_in_chunks_a_poison_item_fails_alone(tmp_path: Path,
     assert [(f["index"], f["error"]) for f in failures] == [(100, "SessionRunError"), (450, "PoisonTask")]
     report = json.loads(Path(f"{out}.parts/report.json").read_text())
     assert report["dispatch"] == "chunks"
+    assert report["quarantines"] == 1  # the poison item (was: its chunk's task, then its own: items or tasks)
     # items shared tasks: fewer tasks than items. Not a tighter bound: map()'s chunks grow with
     # the measured run time per item (~20 ms of work each, up to MAX_CHUNK items), and the
     # poison item's chunk runs again item by item, a task per item; so the faster the items, the
@@ -272,3 +288,29 @@ def test_pending_blocks_cover_exactly_the_runs_to_do(tmp_path: Path, monkeypatch
             assert got == [i for a, b in todo for i in range(a, b)], (read_rows, todo)
             items = [get() for _, get, _ in dispatch.pending_items(src, todo)]
             assert items == [f"line {i}" for a, b in todo for i in range(a, b)]
+
+
+@pytest.mark.parametrize("model", ["multi_io", "nonzero"])
+def test_a_model_whose_output_holds_no_rows_goes_item_by_item(tmp_path: Path, models: SimpleNamespace,
+                                                               model: str) -> None:
+    """multi_io's total[1] (axis 0 fixed) and NonZero's idx[2, nz] hold no rows of a block: the
+    job goes item by item, each item's outputs its own model call's (was: the job chose blocks
+    and failed at its first, exit 1, "rows must lie on axis 0")."""
+    n = 40
+    if model == "multi_io":
+        feeds = {"feats": RNG.standard_normal((n, 4)).astype(np.float32), "ids": np.arange(n, dtype=np.int64)}
+    else:
+        feeds = {"x": RNG.integers(-1, 2, (n, 8)).astype(np.float32)}
+    np.savez(tmp_path / "in.npz", **feeds)
+    out = tmp_path / "out"
+    p = slabpool("run", getattr(models, model), tmp_path / "in.npz", "-o", out, "--workers", 2)
+    if model == "nonzero":  # (no batch axis at all: every item fails alike, and the job says why)
+        assert p.returncode == 1 and "output 'idx' has shape (2, " in p.stderr and "batch axis" in p.stderr, p.stderr
+        return
+    assert p.returncode == 0, p.stderr
+    assert json.loads((out / "report.json").read_text())["dispatch"] != "blocks"
+    got = read_output(out)
+    for i in range(n):
+        want = ort_run(getattr(models, model), {k: v[i:i + 1] for k, v in feeds.items()})
+        for k, v in want.items():
+            assert np.asarray(got[k][i]).tobytes() == v.reshape(np.asarray(got[k][i]).shape).tobytes(), (i, k)

@@ -42,9 +42,10 @@ BAD_VALUES = [
     ("--workers", "two", "a positive integer"),
     ("--workers", "0", "a positive integer"),
     ("--max-attempts", "1.5", "a positive integer"),
-    ("--task-timeout", "soon", "a positive number"),
-    ("--durable-every", "0", "a positive number"),
-    ("--log-every", "nan", "a positive number"),
+    ("--task-timeout", "soon", "a positive, finite number"),
+    ("--durable-every", "0", "a positive, finite number"),
+    ("--log-every", "nan", "a positive, finite number"),
+    ("--task-timeout", "inf", "a positive, finite number"),  # (was: past argparse, then "cannot start")
 ]
 
 
@@ -55,6 +56,19 @@ def test_a_bad_value_names_the_option_and_what_it_accepts(option: str, value: st
     p = slabpool("run", models.mlp, tmp_path / "in.npy", "-o", tmp_path / "o.npy", option, value)
     line = one_line(p, f"argument {option}", accepts, repr(value))
     assert "_positive" not in line and "invalid" not in line, line  # never a private function's name
+
+
+@pytest.mark.parametrize(("argv", "accepts"), [
+    (["bench", "{m}", "--workers", "0"], "comma-separated positive integers"),
+    (["bench", "{m}", "--workers", "1,-2"], "comma-separated positive integers"),
+    (["doctor", "{m}", "--workers", "-3"], "a positive integer"),
+], ids=["bench-0", "bench-negative", "doctor-negative"])
+def test_bench_and_doctor_refuse_a_bad_worker_count_before_any_work(argv: list[str], accepts: str,
+                                                                     models: SimpleNamespace) -> None:
+    """Was: bench printed its table's header, doctor its whole host report, then the error."""
+    p = slabpool(*[a.format(m=models.mlp) for a in argv])
+    one_line(p, "argument --workers", accepts)
+    assert p.stdout == "", p.stdout
 
 
 def test_output_stdout_is_refused_and_nothing_is_made(tmp_path: Path, models: SimpleNamespace) -> None:

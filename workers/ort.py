@@ -58,9 +58,12 @@ class OrtSession:
             degraded = True
         self._outputs = [o.name for o in self._sess.get_outputs()]
         self._bound = list(dict.fromkeys(self._outputs))  # a name listed twice is bound (and returned) once
-        self._untimed = ort.RunOptions()  # reused by every run without a time limit (never terminated)
-        self._quiet = ort.RunOptions()  # the same, for bound runs: they log nothing (see run_into)
-        self._quiet.log_severity_level = _FATAL
+        # reused by every run without a time limit (never terminated). No run logs: a run's error
+        # is raised with ORT's message (a SessionRunError naming it); its log line on the worker's
+        # stderr said it again, once for each call a failing block is cut into (was: a job with 3
+        # bad rows printed 22 coloured ORT lines beside its own)
+        self._untimed = ort.RunOptions()
+        self._untimed.log_severity_level = _FATAL
         self._terminator = _Terminator()
         self.info = SessionInfo(
             runtime="onnxruntime",
@@ -98,19 +101,18 @@ class OrtSession:
         for name in self._bound:
             dst = dests[name]
             binding.bind_output(name, "cpu", 0, dst.dtype, dst.shape, dst.ctypes.data)
-        # quiet: a bound run that fails (an output shape that depends on the data) is run
+        # a bound run that fails (an output shape that depends on the data) is run
         # again plainly, which tells a real error; ORT's log lines of it are noise on stderr
-        self._timed(lambda opts: self._sess.run_with_iobinding(binding, opts), timeout, quiet=True)
+        self._timed(lambda opts: self._sess.run_with_iobinding(binding, opts), timeout)
         _settle(self._bound, binding.get_outputs(), dests)
 
-    def _timed(self, call: Callable[[Any], Any], timeout: float | None, quiet: bool = False) -> Any:
-        """call(run_options); past `timeout` ORT is told to terminate: RunTimeout. `quiet`:
-        the run logs nothing (its error still raises)."""
+    def _timed(self, call: Callable[[Any], Any], timeout: float | None) -> Any:
+        """call(run_options); past `timeout` ORT is told to terminate: RunTimeout. No run logs
+        (its error still raises)."""
         if timeout is None:
-            return call(self._quiet if quiet else self._untimed)
+            return call(self._untimed)
         opts = ort.RunOptions()
-        if quiet:
-            opts.log_severity_level = _FATAL
+        opts.log_severity_level = _FATAL
         with self._terminator.armed(opts, timeout):
             try:
                 return call(opts)

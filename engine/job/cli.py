@@ -38,6 +38,7 @@ from slabpool.engine.job.options import columns_of
 from slabpool.engine.job.options import gather as _gather
 from slabpool.engine.job.options import positive_float as _positive_float
 from slabpool.engine.job.options import positive_int as _positive_int
+from slabpool.engine.job.options import positive_ints as _positive_ints
 
 if TYPE_CHECKING:
     from slabpool.engine.job.spec import JobSpec
@@ -131,7 +132,7 @@ def build_parser() -> Parser:
                          formatter_class=fmt, epilog="example:\n  slabpool doctor\n  slabpool doctor model.onnx --workers 4")
     doc.add_argument("model", type=Path, metavar="MODEL", nargs="?",
                      help="also start WORKERS workers on MODEL and show each one's RSS, PSS and shared bytes")
-    doc.add_argument("--workers", type=int, default=2, help="workers started on MODEL (default 2)")
+    doc.add_argument("--workers", type=_positive_int, default=2, help="workers started on MODEL (default 2)")
     doc.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     doc.set_defaults(func=cmd_doctor)
 
@@ -139,7 +140,8 @@ def build_parser() -> Parser:
                            formatter_class=fmt, epilog="example:\n  slabpool bench model.onnx --items 512 --workers 1,2,4")
     bench.add_argument("model", type=Path, metavar="MODEL")
     bench.add_argument("--items", type=_positive_int, default=256, help="items per worker count (default 256)")
-    bench.add_argument("--workers", help="comma-separated worker counts (default 1,2,4,... up to usable CPUs)")
+    bench.add_argument("--workers", type=_positive_ints,
+                       help="comma-separated worker counts (default 1,2,4,... up to usable CPUs)")
     bench.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     bench.set_defaults(func=cmd_bench)
 
@@ -470,13 +472,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     if not args.model.is_file():
         raise JobError(f"model not found: {args.model}")
     cpus = usable_cpus()
-    if args.workers:
-        try:
-            counts = [int(w) for w in args.workers.split(",")]
-        except ValueError:
-            raise JobError(f"--workers must be comma-separated integers, got {args.workers!r}") from None
-    else:
-        counts = sorted({*(2**k for k in range(8) if 2**k <= cpus), cpus})
+    counts = args.workers or sorted({*(2**k for k in range(8) if 2**k <= cpus), cpus})
     rng = np.random.default_rng(0)
     pool: list[dict[str, Any]] = []
     base = 0.0

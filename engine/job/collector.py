@@ -50,6 +50,7 @@ class Collector:
         self.first_failure: Failure | None = None
         self.latencies: list[float] = []
         self.done = self.failed = 0
+        self.quarantined = 0  # items that failed as PoisonTask (their task killed worker after worker)
         self.pending_rows = self.pending_bytes = 0
         self.last_commit = time.monotonic()
         self.commits = 0  # durable commits this run (a test may hold the job after one: engine.job.signals)
@@ -247,6 +248,7 @@ class Collector:
             self.failed_kept[k].extend(v)
         self.first_failure = self.first_failure or failure
         self.failed += 1
+        self.quarantined += isinstance(exc, E.PoisonTask)
 
     def due(self, every: float) -> bool:
         pending = self.pending_rows + len(self.failures)

@@ -18,6 +18,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """N[,N...]: `slabpool bench --workers`."""
+    try:
+        return [positive_int(w) for w in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
 def batch_size(text: str) -> int | None:
     """--batch-size B, or `auto` (as infer() takes it): the job's default, None."""
     if text.strip().lower() == "auto":
@@ -50,8 +58,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not 0 < value < float("inf"):  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
     return value
 
 

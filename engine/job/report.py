@@ -16,9 +16,9 @@ from slabpool.engine.job.store import write_json
 class Latency:
     """Seconds per task (`Result.timings.total`; a block's time for a block), percentiles."""
 
-    p50: float
-    p95: float
-    p99: float
+    p50: float | None  # (None: no task ended well, no latency to tell: every item failed)
+    p95: float | None
+    p99: float | None
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class JobOutcome:
     report: Report
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # status 1: the one line to show
+    written: bool = True  # False: a complete run's single-file OUTPUT was not written (no item succeeded)
 
 
 def _throughput(r: Report) -> str:
@@ -130,6 +131,7 @@ def summary(outcome: JobOutcome) -> list[str]:
         f"failed {r.failed}",
         f"elapsed {r.elapsed_s:.2f} s (start-up {r.startup_s:.2f} s, running {r.running_s:.2f} s), "
         f"{_throughput(r)} on {r.workers} workers (batch size {r.batch_size})",
+        "latency - (no task ended well)" if lat.p50 is None or lat.p95 is None or lat.p99 is None else
         f"latency p50 {lat.p50 * 1e3:.1f} ms, p95 {lat.p95 * 1e3:.1f} ms, p99 {lat.p99 * 1e3:.1f} ms",
         f"restarts {r.restarts}, replays {r.replays}, quarantines {r.quarantines}, "
         f"runtime {r.runtime or '-'} ({', '.join(r.providers) or 'no model'})",
@@ -142,7 +144,7 @@ def summary(outcome: JobOutcome) -> list[str]:
     if r.failed:
         lines.append(f"failed items are listed in {Path(r.parts) / 'failures.jsonl'}")
     lines.extend(outcome.notes)
-    if r.complete and r.exit_status not in (130, 143):  # interrupted at the final write: not written
+    if r.complete and outcome.written and r.exit_status not in (130, 143):  # (interrupted at the final write)
         lines.append(f"output: {r.output}" + (f" (its journal and report in {r.parts})"
                                                if r.output != r.parts else ""))
     return lines

@@ -195,6 +195,7 @@ class JobRun:
         self.peak_slots: dict[int, tuple[int, int, int]] = {}
         self.workers = 0
         self.mode = ""
+        self.unwritten = False  # the single-file OUTPUT was not written: no item succeeded
         self.draining = False
         self.last_stats = self.next_tick = 0.0
         self.restarts = 0
@@ -293,11 +294,18 @@ class JobRun:
 
     def _by_blocks(self, source: Source) -> bool:
         """Rows of arrays or of a table, a model that takes any number of rows and gives
-        numbers, nothing per item: blocks."""
+        numbers with the rows on axis 0, nothing per item: blocks. An output whose axis 0 is
+        fixed (a total[1]) or names another dim than the inputs' batch (NonZero's idx[2, nz])
+        holds no rows: item by item (was: the job failed at its first block)."""
         s, d = self.spec, self.describe
-        numeric = d is not None and all(np.dtype(o.dtype).kind not in "OUS" for o in d.outputs)
+        if d is None or not d.batchable:
+            return False
+        batch = {i.dim0 for i in d.inputs if i.dim0}
+        rows_out = all(o.shape and o.shape[0] is None and (not o.dim0 or not batch or o.dim0 in batch)
+                       for o in d.outputs)
+        numeric = all(np.dtype(o.dtype).kind not in "OUS" for o in d.outputs)
         return (source.blockable and s.model is not None and s.preprocess is None and s.postprocess is None
-                and not self.batched and bool(d and d.batchable) and numeric)
+                and not self.batched and rows_out and numeric)
 
     def _start(self, *, blocks_possible: bool, decode: Callable[[Any], Any] | None) -> JobEngine:
         from slabpool.engine.core.config import usable_cpus
@@ -408,7 +416,7 @@ class JobRun:
             status = 2 if failures else 0
         report = self._report(count, skipped, len(failures), complete, status)
         report.write(spec.parts / "report.json")
-        return JobOutcome(status, report, notes, error)
+        return JobOutcome(status, report, notes, error, written=not self.unwritten)
 
     def _input_changed(self, changed: str | None, settled: int, count: int) -> str:
         """The one line of a job whose INPUT changed while it ran (rewritten, truncated, replaced):
@@ -427,13 +435,14 @@ class JobRun:
         elif spec.single_file:
             written, note = publish(store, spec.output)
             if not written:
+                self.unwritten = True
                 return [f"no item succeeded: {spec.output} was not written"]
             return [note] if note else []
         return []
 
     def _report(self, count: int, skipped: int, failed: int, complete: bool, status: int) -> Report:
         spec, col, st = self.spec, self.collector, self.stats
-        lat = np.asarray(col.latencies or [0.0])
+        lat = np.asarray(col.latencies)
         computed = col.done + col.failed
         slots = () if st is None else tuple(SlotReport.of(s, self.peak_slots.get(s.slot)) for s in st.slots)
         return Report(
@@ -446,10 +455,11 @@ class JobRun:
             elapsed_s=round(time.monotonic() - self.t0, 3), startup_s=round(self.startup_s, 3),
             running_s=round(self.processing_s, 3),
             throughput_items_per_s=None if (r := rate(computed, self.processing_s)) is None else round(r, 2),
-            latency_s=Latency(*(float(np.percentile(lat, q)) for q in (50, 95, 99))),
+            latency_s=Latency(*(float(np.percentile(lat, q)) if lat.size else None for q in (50, 95, 99))),
             slots=slots,
             restarts=st.restarts if st else 0, replays=st.replayed if st else 0,
-            quarantines=st.quarantined if st else 0, timeouts=st.timeouts if st else 0,
+            quarantines=col.quarantined, timeouts=st.timeouts if st else 0,  # (items: a chunk's task may be
+            # quarantined, then its items run alone, and only the poison ones are; was: the tasks)
             runtime=(f"{self.describe.runtime} {self.describe.runtime_version}".strip()
                      if self.describe else None),
             providers=tuple(sorted({p for s in slots for p in s.applied})),
