@@ -167,7 +167,8 @@ class Coordinator:
                 raise self.ledger.failure
 
     def _died_starting(self, ev: Died) -> None:
-        """A worker died before the engine's first quorum. Its session said why (a model or an
+        """A worker died before the engine's first quorum (starting, or up while another starts:
+        it holds no task yet). Its session said why (a model or an
         initializer that fails: every start would), or it exited before slabpool's code ran:
         raised at once. Killed by a signal (from outside: the OOM killer): retried after the
         back-off, as a start-up death once the engine runs (was: Engine() failed, saying the
@@ -177,7 +178,7 @@ class Coordinator:
         error = ev.startup_error or E.SessionInitError(f"slot {ev.slot} died during start-up: {cause}")
         by_signal = ev.exitcode is not None and ev.exitcode < 0  # (an exit of its own, before slabpool's
         # code ran: an import of the main module that raises, say; every start would do the same)
-        if (slot.state is not SlotState.STARTING or ev.reported or not by_signal
+        if (slot.state not in (SlotState.STARTING, SlotState.READY) or ev.reported or not by_signal
                 or slot.startup_failures + 1 >= MAX_STARTUP_FAILURES):
             if slot.startup_failures:
                 error.add_note(f"(its start had failed {slot.startup_failures} time(s) before, each retried)")
