@@ -535,6 +535,40 @@ def test_sigterm_during_a_reload_whose_worker_never_starts_exits_at_once(models,
         _servers.remove(srv)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("leaves", ["http-close", "grpc-deadline"])
+def test_a_load_whose_client_leaves_mid_swap_holds_the_next_load_until_its_swap_ends(models, gate_file, leaves):
+    """A load's client leaves while the swap runs (its new worker held at start): an HTTP client
+    closes its connection, a gRPC one's deadline passes (gRPC cancels the handler). The swap goes
+    on, and a second load waits for it, then swaps in turn: 200 (was, over gRPC: the cancelled
+    handler let go of the lock on the model's loads, and the second load met the swap still
+    running: "a reload is already in progress")."""
+    srv = Server(f"mlp={models.mlp}", "--workers", "2", *HOOKS, env={GATE_ENV: str(gate_file)})
+    _servers.append(srv)
+    try:
+        gate_file.touch()  # (the reload's new worker waits at start)
+        if leaves == "http-close":
+            host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as s:
+                s.sendall(b"POST /v2/repository/models/mlp/load HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+                wait_for(lambda: _slots(srv, "STARTING") == 1, "the first load's worker to wait at start")
+        else:
+            with tgrpc.InferenceServerClient(srv.grpc_url) as g, pytest.raises(InferenceServerException):
+                g.load_model("mlp", client_timeout=1.0)  # (its worker waits at start: the deadline passes)
+            assert _slots(srv, "STARTING") == 1
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(httpx.post, f"{srv.url}/v2/repository/models/mlp/load", json={}, timeout=120)
+            assert post(srv, _x(93))[0] == 200  # (the other slot serves on)
+            gate_file.unlink()
+            r = second.result()
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{srv.url}/v2/health/ready").status_code == 200 and post(srv, _x(94))[0] == 200
+        assert srv.stop() == 0
+    finally:
+        gate_file.unlink(missing_ok=True)
+        _servers.remove(srv)
+
+
 def test_an_engine_that_stopped_for_good_is_not_live(models, tmp_path):
     """The only worker dies and every start of its slot fails: the engine stops (docs/faults.md)
     and nothing brings it back, not a reload. Was: live 200 for ever (a supervisor never

@@ -30,6 +30,7 @@ class Served:
     path: str
     engine: Engine
     _reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # (a waiting load holds no thread)
+    _swaps: set[asyncio.Future[str]] = field(default_factory=set)  # held: the loop keeps only weak refs
 
     @property
     def version(self) -> str:
@@ -55,8 +56,20 @@ class Served:
             raise NotFound(f"model {self.name!r} has no version {version!r}; it serves version {self.version!r}")
 
     async def reload(self, path: str | None = None) -> str:
-        """Swap the model slot by slot while it serves (Engine.reload); one reload at a time."""
-        target = path or self.path
+        """Swap the model slot by slot while it serves (Engine.reload); one reload at a time. A
+        load whose request is cancelled (its client gone) leaves its swap running, and the lock
+        held until the swap ends: the next load waits for it, as it would have."""
+        swap = asyncio.ensure_future(self._swap(path or self.path))
+        self._swaps.add(swap)
+        swap.add_done_callback(self._ended)
+        return await asyncio.shield(swap)
+
+    def _ended(self, swap: asyncio.Future[str]) -> None:
+        self._swaps.discard(swap)
+        if not swap.cancelled():
+            swap.exception()  # (read: a swap whose caller left fails without a "never retrieved" log)
+
+    async def _swap(self, target: str) -> str:
         async with self._reloading:  # (was a thread's lock: each waiting load held one of the loop's
             version = await asyncio.to_thread(self.engine.reload, target)  # executor threads, and with
             self.path = target  # them all held, the shutdown's close never ran: SIGTERM did not exit)
