@@ -133,7 +133,7 @@ class HttpApp:
 
     async def _repository(self, parts: list[str], body: bytes) -> tuple[Status, Any]:
         fe = self.fe
-        head = _json(body) if body else {}
+        head = tensors.json_object(body) if body else {}
         if parts == ["index"]:
             return Status.OK, fe.repository_index(_flag(head, "ready", "the index request"))
         if len(parts) == 3 and parts[0] == "models" and parts[2] == "load":
@@ -300,19 +300,6 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 # -- the JSON and binary request and response --------------------------------------------------------
 
 
-def _json(data: bytes | memoryview) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        try:  # NaN / Infinity / -Infinity: not JSON, but what tritonclient sends (and this server writes)
-            obj = json.loads(bytes(data))  # for such floats; orjson refuses them, Python's json reads them
-        except ValueError:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
 class _Plan(NamedTuple):
     """A binary request's JSON header, read and checked once: what it says, for the next
     request that sends the same header bytes (a client sends the same header for the same
@@ -336,7 +323,7 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     checked again, only the tensors are read (each still checked against its size)."""
     view = memoryview(body)
     if header_length is None:
-        return _decode(name, version, _json(view), view[len(view):])[0]
+        return _decode(name, version, tensors.json_object(view), view[len(view):])[0]
     if not header_length.isdigit():  # ASCII digits only (int() also takes "1_0", " 10", "+10")
         raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer in digits, "
                          f"got {header_length!r}")
@@ -347,7 +334,7 @@ def decode_request(name: str, version: str, body: bytes, header_length: bytes | 
     plan = _PLANS.get(key)
     if plan is not None:
         return _planned(name, version, plan, view[n:])
-    req, plan = _decode(name, version, _json(view[:n]), view[n:])
+    req, plan = _decode(name, version, tensors.json_object(view[:n]), view[n:])
     if plan is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()

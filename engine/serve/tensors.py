@@ -14,12 +14,14 @@ A tensor whose data does not fill its shape, or a datatype the protocol does not
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 
 from slabpool.engine.serve.errors import BadRequest
 
@@ -210,6 +212,20 @@ def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> 
     if len(out) != math.prod(shape):
         raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {math.prod(shape)} elements, got {len(out)}")
     return out
+
+
+def json_object(data: bytes | memoryview) -> dict[str, Any]:
+    """A JSON request body (HTTP's, a binary request's header), which must be an object."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        try:  # NaN / Infinity / -Infinity: not JSON, but what tritonclient sends (and this server writes)
+            obj = json.loads(bytes(data))  # for such floats; orjson refuses them, Python's json reads them
+        except ValueError:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 # -- outputs --------------------------------------------------------------------------------------
