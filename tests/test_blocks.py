@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from slabpool import EngineError, InputContractError, PoisonTask, RowsFailed, SessionRunError
-from slabpool.engine.caller.blocks import PROBE_CALLS, PROBE_ROWS, BlockSizer
+from slabpool.engine.caller.blocks import CLIMB_MAX, PROBE_CALLS, PROBE_ROWS, BlockSizer
 from tests.models import onnx_models
 from tests.ray_support.plugin import RAY, build
 from tests.reference import litert_run, ort_run
@@ -149,6 +149,50 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
     for bad in (0, -1, 2.5, "big", True):
         with pytest.raises(ValueError, match="batch_size"):
             BlockSizer(bad, 4, 1 << 20, 4)  # type: ignore[arg-type]
+
+
+def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
+    """A model whose weights stream from memory once a call (a 48-layer 512-wide MLP: 8 rows a
+    call at 2 ms ran 3x slower than calls of 300): "auto" doubles the step, one task at a time,
+    while a row gets at least 10% cheaper, and goes back to the last step that paid; a task cut
+    before the step changed is no evidence."""
+    class R:
+        def __init__(self, per_row: float, rows: int) -> None:
+            self.timings = type("T", (), {"run": per_row * rows})()
+            self.outputs = {"y": np.zeros((rows, 1), np.float32)}
+
+    s = BlockSizer("auto", in_row_bytes=4, arena_bytes=1 << 30, in_flight=4)
+    s.observe(R(25e-6, 32), 32, PROBE_ROWS)  # the probe: 25 us a row, calls of 80 rows (2 ms)
+    s.observe(R(25e-6, 80), 80, 80)  # the step's first task (it may only grow once from it)
+    assert s.step == 80
+    s.observe(R(25e-6, 80), 80, 80)  # the climb's base: try 160
+    assert s.step == 160
+    s.observe(R(25e-6, 80), 80, 80)  # a task cut before the change: no evidence
+    assert s.step == 160
+    s.observe(R(12e-6, 160), 160, 160)  # a row 52% cheaper: kept, try 320
+    assert s.step == 320
+    s.observe(R(11.5e-6, 320), 320, 320)  # 4% cheaper only: back to 160, for good
+    assert s.step == 160
+    s.observe(R(1e-6, 160), 160, 160)
+    assert s.step == 160
+    cache_bound = BlockSizer("auto", 4, 1 << 30, 4)  # calls past the caches cost more a row: no climb
+    cache_bound.observe(R(1e-6, 32), 32, PROBE_ROWS)
+    cache_bound.observe(R(1e-6, 2000), 2000, 2000)
+    cache_bound.observe(R(1e-6, 2000), 2000, 2000)
+    cache_bound.observe(R(1.2e-6, 4000), 4000, 4000)
+    assert cache_bound.step == 2000
+    steep = BlockSizer("auto", 4, 1 << 30, 4)  # always cheaper: at most CLIMB_MAX times the chosen step
+    steep.observe(R(1e-3, 32), 32, PROBE_ROWS)  # 1 ms a row: calls of 2 rows
+    steep.observe(R(1e-3, 2), 2, 2)
+    per = 1e-3
+    while steep._climbing:
+        steep.observe(R(per, steep.step), steep.step, steep.step)
+        per /= 2
+    assert steep.step == 2 * CLIMB_MAX
+    fixed = BlockSizer(17, 4, 1 << 20, 4)
+    for _ in range(3):
+        fixed.observe(R(1e-3 / (fixed.step or 1), 17), 17, 17)
+    assert fixed.step == 17  # a size the caller gave is never changed
 
 
 def test_rows_that_fail_in_the_runtime_fail_alone(backend, models) -> None:  # type: ignore[no-untyped-def]

@@ -50,6 +50,12 @@ STEP_TARGET_S = 0.002  # run time per session call aimed at when the size is "au
 PROBE_ROWS = 8
 PROBE_CALLS = 4  # ... in one task of this many calls: one call of 8 rows is too short to time alone
 MAX_BLOCK_ROWS = 1 << 20
+# "auto" then tries calls twice as long, while that makes a row at least this much cheaper (a
+# model whose weights do not fit the caches streams them once a call: longer calls share that;
+# a 48-layer 512-wide MLP chose 8 rows a call at 2 ms, and ran 3x slower than in calls of 300),
+# up to CLIMB_MAX times the step it chose from the run time
+CLIMB_GAIN = 0.9
+CLIMB_MAX = 64
 
 # a block failing with one of these is cut in two: the failure may belong to some rows only
 BISECT = (E.SessionRunError, E.PoisonTask, E.WorkerCrashed, E.TaskTimeout, E.ShmCapacityError,
@@ -101,7 +107,9 @@ class BlockSizer:
     calls of about STEP_TARGET_S (small calls keep a model's activations in the caches: an MLP
     64->1024->10 ran 1.85 us a row in calls of 1024 rows, 2.3 in 4096, 2.75 in 8192) and
     fixes that step for the rest (it may grow once, timed on the first task of such calls: a
-    probe slowed down by the host must not keep the calls small). A task holds as many steps
+    probe slowed down by the host must not keep the calls small); then it tries calls twice as
+    long, one task each, and keeps them while a row gets at least 1 - CLIMB_GAIN cheaper (a model
+    whose weights stream from memory once a call). A task holds as many steps
     as run in about BLOCK_TARGET_S
     (the engine's cost per task, ~1 ms of the caller's CPU, stays a few %; a quarter of
     `task_timeout` at most, which holds for a whole task), bounded so that the tasks in flight
@@ -117,6 +125,9 @@ class BlockSizer:
         self.fixed = size if isinstance(size, int) else None
         self.step = self.fixed or 0  # 0: not chosen yet ("auto" while probing)
         self._rechosen = self.fixed is not None  # "auto": the step may grow once, from a real task
+        self._climbing = self.fixed is None  # "auto": then calls twice as long while they pay
+        self._base: tuple[int, float] | None = None  # (step, run time a row) the climb compares with
+        self._ceiling = 0
         self.per_row: float | None = None
         self.out_row_bytes = 0
         self.in_row_bytes = in_row_bytes
@@ -143,7 +154,8 @@ class BlockSizer:
         steps = int(self.target_s / max(self.per_row * self.step, 1e-9))
         return max(1, min(steps, self._cap() // self.step)) * self.step
 
-    def observe(self, res: Result, rows: int) -> None:
+    def observe(self, res: Result, rows: int, step: int | None = None) -> None:
+        """A task of `rows` ended well, run `step` rows a call (None: not known; no climb)."""
         if rows <= 0:
             return
         per = res.timings.run / rows
@@ -155,6 +167,24 @@ class BlockSizer:
         elif not self._rechosen:  # and once more from this task's own time: only ever larger, in
             self._rechosen = True  # case the probe was slowed down (its calls are short); ~2 ms a call at most
             self.step = max(self.step, self._chosen(per))
+        elif self._climbing and step == self.step:  # (a task cut before the step last changed: not evidence)
+            self._climb(step, per)
+
+    def _climb(self, step: int, per: float) -> None:
+        """The climb: this step's run time a row against the last kept step's. Cheaper by
+        enough: kept, and calls twice as long tried next; else back to the last kept, for good."""
+        if self._base is None:
+            self._base, self._ceiling = (step, per), step * CLIMB_MAX
+        elif per <= CLIMB_GAIN * self._base[1]:
+            self._base = (step, per)
+        else:
+            self.step, self._climbing = self._base[0], False
+            return
+        longer = min(2 * step, self._cap(), self._ceiling)
+        if longer > step:
+            self.step = longer
+        else:
+            self._climbing = False
 
     def _chosen(self, per_row: float) -> int:
         return max(1, min(int(STEP_TARGET_S / max(per_row, 1e-9)), self._cap()))
@@ -211,7 +241,7 @@ def run_blocks(submit: Submit, runs: Iterable[tuple[int, int]], sizer: BlockSize
                 pending.appendleft((mid, hi, step, _guarded(submit, mid, hi, step)))
                 pending.appendleft((lo, mid, step, _guarded(submit, lo, mid, step)))
                 continue
-            sizer.observe(res, hi - lo)
+            sizer.observe(res, hi - lo, step)
             yield Piece(lo, hi, outputs=_block_outputs(res.outputs, hi - lo), version=res.model_version)
     finally:
         for *_, f in pending:
