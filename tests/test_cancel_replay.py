@@ -251,3 +251,27 @@ def test_a_task_sent_ahead_and_cancelled_never_runs(models, tmp_path, kill):
         st = eng.stats()
     assert ran.read_text().split() == ["held", "after"]  # (the cancelled one never ran)
     assert (st.accepted, st.completed, st.cancelled, st.restarts) == (3, 2, 1, 0)
+
+
+def test_a_batch_taken_back_after_its_worker_began_it_is_answered_and_teaches_nothing() -> None:
+    """The race the sent-ahead cancel meets: the worker had already finished the batch before
+    and begun this one when the Revoke left, and its NeedOutput for it arrives with the batch
+    emptied (revoked). The supervisor refuses it a region (nothing reads those outputs) and
+    learns no size from it; its answer teaches nothing either. Was: a ZeroDivisionError in the
+    owner thread (`nbytes // len(batch.tasks)`), and every call failed with EngineInternalError
+    (a hostile run: 6 runs of 6, within 264 cancels)."""
+    from slabpool.engine.core.task import Batch
+    from slabpool.engine.local.regions import OutputRegions, Sent
+    from slabpool.shm.arena import Arena
+
+    arena = Arena("out", 1 << 20, instance="test-revoked")
+    try:
+        regions = OutputRegions(arena, 0)
+        batch = Batch([], stack=False, revoked=True)
+        grant = regions.on_need(Sent(batch), 4096)
+        assert grant is not None and grant.offset == -1 and "taken back" in grant.error
+        regions.observed(batch, 4096)
+        regions.learn(batch, 4096)
+        assert regions.per_task == 0 and not regions._predicted and arena.used == 0
+    finally:
+        arena.close()

@@ -48,13 +48,18 @@ class OutputRegions:
         self._predicted: dict[tuple[Any, ...], int] = {}  # output bytes by batch shape
 
     def learn(self, batch: Batch, nbytes: int) -> None:
-        """Output bytes per task and per item, as seen: later groups and batches fit them."""
+        """Output bytes per task and per item, as seen: later groups and batches fit them. A
+        batch taken back (revoked: its tasks ran elsewhere or were cancelled) teaches nothing."""
+        if not batch.tasks:
+            return
         self.per_task = max(self.per_task, nbytes // len(batch.tasks))
         if batch.stack:
             self.per_item = max(self.per_item, nbytes // max(sum(t.rows for t in batch.tasks), 1))
 
     def observed(self, batch: Batch, used: int) -> None:
         """A batch finished with `used` bytes of outputs: the next of its shapes gets as much."""
+        if batch.revoked:
+            return
         self._predicted[batch_key(batch)] = used
         if used > self.per_task * len(batch.tasks):
             self.learn(batch, used)
@@ -93,6 +98,8 @@ class OutputRegions:
         """The answer to a worker's NeedOutput; None: no room now (sent.out_wanted is set,
         and `grant_waiting` answers once a region is released)."""
         batch = sent.batch
+        if batch.revoked:  # (taken back after its worker began it: nothing reads its outputs)
+            return OutputGrant(batch.id, -1, 0, "the batch was taken back: its outputs are not read")
         if sent.out_lease is not None and sent.out_lease.nbytes >= nbytes:
             return OutputGrant(batch.id, sent.out_lease.offset, sent.out_lease.nbytes)
         self.release(sent)
