@@ -66,6 +66,10 @@ BOTH_BACKENDS = {
                       "pipe of the local transport's selector, startup_timeout on a rebuilt worker (on Ray it bounds "
                       "the constructor only: Ray places a restarted actor when it can, docs/ray.md), RLIMIT_AS on "
                       "the engine's process (a Ray driver's address space is Ray's)",
+    "test_user_code": "a hook's exception whose str() raises, and its SystemExit / KeyboardInterrupt / "
+                      "GeneratorExit, each its own task's error, on both; local only: a worker process's exit "
+                      "held by a thread a hook left, and a hook's fork whose child returns (an actor is Ray's "
+                      "process, started and ended by Ray)",
     "test_weights": "outputs of the shared (prepacked, external-data) and LiteRT forms byte-identical, and the "
                     "slot's account of its weights, on both; local only: PSS of local workers, the cache's files "
                     "(entries, damage, races, the digest: workers.weights without an engine), `slabpool doctor`",

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from slabpool.workers.pipeline import (
     TaskPipeline,
     failure,
     in_steps,
+    left_by_a_fork,
+    own_worker,
     remote_error,
     run_stacked,
     seed_task,
@@ -125,11 +128,19 @@ def main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     try:
         _main(sealed, conn, in_fd, out_fd)
     except SupervisorGone:
-        return  # the supervisor stopped reading (it is stopping this worker): exit quietly
+        pass  # the supervisor stopped reading (it is stopping this worker): exit quietly
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        # a thread a hook started and left running: multiprocessing would join it before the
+        # process ends, and a retiring or closing worker stalled until its kill (10 s, 5 s)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
 
 
 def _main(sealed: SealedBoot, conn: Connection, in_fd: int, out_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    own_worker()
     faulthandler.enable(os.fdopen(os.dup(2), "w"))  # its own fd 2: kept while fd 2 is redirected
     _watch_parent()
     outbox = Outbox(conn)
@@ -427,9 +438,14 @@ class Worker:
     def _attempt(stage: str, thunk: Callable[[], Any]) -> Any:
         """thunk(), or its error as a RemoteError (logged)."""
         try:
-            return thunk()
-        except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
-            return failure(stage, exc)
+            out = thunk()
+        except SupervisorGone:
+            raise  # (asking for an output region: nobody reads this worker any more)
+        except BaseException as exc:  # noqa: BLE001 - the user's code or the runtime raised; SystemExit and
+            left_by_a_fork()  # KeyboardInterrupt too (the worker ignores SIGINT: user code raised them;
+            return failure(stage, exc)  # was: the worker died, and the task was quarantined after killing three)
+        left_by_a_fork()
+        return out
 
     # -- step 7: outputs into shared memory ----------------------------------------------------
 

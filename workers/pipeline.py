@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
 import traceback
@@ -41,6 +42,26 @@ log = logging.getLogger("slabpool.workers")
 IDLE, STACKED = -1, -2  # no task / a stacked batch (every task of it at once)
 
 
+_worker_pid = 0  # the worker process's own pid (own_worker); 0: not in a worker
+
+
+def own_worker() -> None:
+    """This process is the worker: a process a hook forks is told apart from it (left_by_a_fork)."""
+    global _worker_pid
+    _worker_pid = os.getpid()
+
+
+def left_by_a_fork() -> None:
+    """After user code: a process a hook forked whose child returned into the worker's code (it
+    did not end with os._exit) exits here, before it reads or writes the worker's pipe. Was: both
+    processes read the same pipe, and the engine stalled (close() without a timeout never ended)."""
+    if _worker_pid and os.getpid() != _worker_pid:
+        with contextlib.suppress(OSError):
+            os.write(2, b"slabpool: a process forked by a hook returned into the worker's code; it exits "
+                        b"(end such a child with os._exit)\n")
+        os._exit(0)
+
+
 def seed_task(seed: int) -> None:
     """Seed numpy's and Python's global generators from the task's seed (before preprocess)."""
     np.random.seed(seed & 0xFFFFFFFF)
@@ -48,8 +69,18 @@ def seed_task(seed: int) -> None:
 
 
 def remote_error(exc: BaseException, kind: ErrorKind) -> RemoteError:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return RemoteError(kind, type(exc).__qualname__, str(exc), tb)
+    """`exc` as data. Never raises: an exception whose str() raises (user code's) is named by
+    its type, with what its str() raised (was: that error escaped the worker's handler, and
+    every task of the batch, every item of a map() chunk, failed with it)."""
+    try:
+        message = str(exc)
+    except Exception as bad:  # noqa: BLE001 - the user's __str__
+        message = f"<str() of the {type(exc).__qualname__} raised {type(bad).__qualname__}>"
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:  # noqa: BLE001 - (format_exception calls str() too, and the frames' reprs)
+        tb = f"{type(exc).__qualname__}: {message} (its traceback could not be formatted)\n"
+    return RemoteError(kind, type(exc).__qualname__, message, tb)
 
 
 def failure(stage: str, exc: BaseException) -> RemoteError:
@@ -253,6 +284,8 @@ def _each(stage: str, fn: Callable[..., Any], values: list[Any], *more: list[Any
             continue
         try:
             out.append(fn(v, *(m[j] for m in more)))
-        except Exception as exc:  # noqa: BLE001 - the item's own error: its outcome alone
+        except BaseException as exc:  # noqa: BLE001 - the item's own error, SystemExit and KeyboardInterrupt too
+            left_by_a_fork()  # (user code's: the worker ignores SIGINT; was: the worker died)
             out.append(failure(stage, exc))
+        left_by_a_fork()
     return out

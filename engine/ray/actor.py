@@ -85,7 +85,7 @@ class SlotActor:
             if initializer is not None:
                 initializer(*initargs)
             self.session = load_session(spec) if spec is not None else None
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from an initializer too, as the local worker's
             self.error = remote_error(exc, ErrorKind.RUN)
         self.pipeline = TaskPipeline(self.session, preprocess, postprocess)
 
@@ -118,7 +118,8 @@ class SlotActor:
             try:
                 seed_task(t.seed)  # before preprocess, as in the local worker
                 return _crossing(thunk()), None
-            except Exception as exc:  # noqa: BLE001 - the user's code or the runtime raised
+            except BaseException as exc:  # noqa: BLE001 - the user's code or the runtime raised (SystemExit
+                # and KeyboardInterrupt from a hook too: the task's, as in the local worker)
                 log.info("task %d failed in %s: %s", t.task_id, self.pipeline.stage, type(exc).__name__)
                 return None, remote_error(exc, error_kind(exc))
 
