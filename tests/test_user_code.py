@@ -5,6 +5,8 @@ two on both backends; a worker process's exit and fork are the local transport's
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -98,3 +100,73 @@ def test_a_fork_whose_child_returns_into_the_worker_stalls_nothing(models: Any) 
         st = eng.stats()
     assert forked.outputs["probs"].tobytes() == ort_run(models.mlp, {"x": _x(1)})["probs"].tobytes()
     assert [r.outputs["probs"].shape for r in later] == [(1, 8)] * 4 and st.restarts == 0
+
+
+# -- the caller's code where the engine runs it: done-callbacks and signal handlers ----------------
+
+
+@pytest.mark.parametrize("call", ["infer", "map", "infer_blocks", "result"])
+def test_a_waiting_call_in_a_done_callback_is_refused_not_a_hang(models: Any, backend: str, call: str) -> None:
+    """A done-callback runs on the engine's own thread: a call there that waits for the engine
+    would wait for itself. RuntimeError saying so (was: the engine hung for good, close() too,
+    and the process never exited); the engine serves on."""
+    got: list[BaseException | None] = []
+    with build(backend, models.mlp) as eng:
+        waits = {"infer": lambda: eng.infer({"x": _x(2)}), "map": lambda: list(eng.map([{"x": _x(2)}])),
+                 "infer_blocks": lambda: eng.infer(np.vstack([_x(2)] * 4), batch_size=2),
+                 "result": lambda: eng.submit({"x": _x(2)}).result()}
+
+        def callback(_: Any) -> None:
+            try:
+                waits[call]()
+                got.append(None)
+            except BaseException as exc:
+                got.append(exc)
+
+        fut = eng.submit({"x": _x(1)})
+        fut.add_done_callback(callback)
+        fut.result(timeout=60)
+        deadline = time.monotonic() + 60  # (only a hang reaches it)
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.005)
+        after = eng.infer({"x": _x(3)})
+    assert got and isinstance(got[0], RuntimeError) and "would wait for that thread" in str(got[0]), got
+    assert after["probs"].tobytes() == ort_run(models.mlp, {"x": _x(3)})["probs"].tobytes()
+
+
+def test_close_from_a_signal_handler_during_infer_closes_without_the_stall_watchdog(
+        models: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM's handler calls close() while the main thread loops infer() (a graceful stop):
+    the close ends at once, or, when the handler interrupted the call's own owner step, once
+    that call returns; never through the stall watchdog (was: half the time the main thread's
+    lent slot waited for its lender, blocked in that close(): 10 s, then "has not taken the
+    batch"). Every call before it was answered; the loop ends with EngineClosed."""
+    import signal
+    import threading
+
+    from slabpool.workers.errors import EngineClosed
+
+    assert threading.current_thread() is threading.main_thread()
+    for round_ in range(4):
+        eng = Engine(models.mlp, workers=2)
+        seen: list[str] = []
+
+        def on_term(*_: Any) -> None:
+            eng.close()
+            seen.append(eng.state.name)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            threading.Timer(0.05 + 0.03 * round_, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            calls = 0
+            with pytest.raises(EngineClosed):
+                while True:
+                    eng.infer({"x": _x(1)})
+                    calls += 1
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        eng.close()
+        st = eng.stats()
+        assert seen and seen[0] in ("CLOSED", "DRAINING") and eng.state.name == "CLOSED"
+        assert calls and st.completed >= calls and st.failed == 0
+    assert not [r for r in caplog.records if "has not taken" in r.getMessage() or "no progress" in r.getMessage()]

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from slabpool.engine.caller.handles import refuse_wait_here
 from slabpool.engine.caller.request import JobEngine, Outputs, Request
 from slabpool.engine.core.task import Result
 from slabpool.workers import errors as E
@@ -356,6 +357,7 @@ def _put(piece: Piece, n: int, outputs: dict[str, Any] | None, errors: dict[int,
 def infer_rows(eng: JobEngine, specs: tuple[TensorSpec, ...], inputs: Any, batch_size: int | str,
                context: dict[str, Any] | None, block_timeout: float | None) -> Outputs:
     """`infer(batch_size=)`: the rows on axis 0 as blocks, their outputs concatenated."""
+    refuse_wait_here(eng, "infer(batch_size=...)")
     arrays, n = rows_of(inputs)
     check_blockable(eng, specs, arrays)
     window = eng.config.workers * max(eng.config.inflight_per_slot, 2)

@@ -68,6 +68,18 @@ def applier(ref: weakref.ReferenceType[BaseEngine]) -> Callable[[SessionInfo], N
     return apply
 
 
+def refuse_wait_here(eng: Any, what: str) -> None:
+    """A call that waits for the engine, made on its owner thread (a Future's done-callback) or
+    by a thread acting as the owner (a signal handler that interrupted its call into this
+    engine): it would wait for that very thread, for ever. A RuntimeError saying so (was: the
+    engine hung, close() too, and the process never exited)."""
+    owner = getattr(eng, "_owner", None)
+    if owner is not None and owner.on_thread:
+        raise RuntimeError(f"{what} on the engine's own thread (in a Future's done-callback, or a signal handler "
+                           "that interrupted a call into this engine) would wait for that thread: for ever. Call "
+                           "it from another thread, or chain the work with add_done_callback")
+
+
 class TaskFuture(Future[Result]):
     """The Future of one task. Its cancel() of a queued task also takes the task out of the
     queue (a subclass, not a done-callback: no callback to register and call per task)."""
@@ -78,6 +90,11 @@ class TaskFuture(Future[Result]):
     def __init__(self, engine: weakref.ReferenceType[BaseEngine]) -> None:
         super().__init__()
         self._engine = engine
+
+    def result(self, timeout: float | None = None) -> Result:
+        if timeout is None and not self.done():
+            refuse_wait_here(self._engine(), "result() of a task not done yet")
+        return super().result(timeout)
 
     def cancel(self) -> bool:
         eng = self._engine()

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from slabpool.engine.caller.handles import refuse_wait_here
 from slabpool.engine.caller.request import Request
 from slabpool.engine.core.config import EngineConfig
 from slabpool.engine.core.task import Result
@@ -60,6 +61,7 @@ def results(
     context: dict[str, Any] | None, chunk: int | None, ordered: bool,
 ) -> Generator[Result | BaseException, None, None]:
     """`BaseEngine.map()` once its call is checked: item by item, each task's outcomes."""
+    refuse_wait_here(eng, "map()")
     # an item refused at the door is contained either way: it then raises at its position,
     # with its .index, after the results before it (was: at once, before them, with no index)
     tasks = parts(eng, items, window=window, contain=True, context=context, chunk=chunk, ordered=ordered)

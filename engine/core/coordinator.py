@@ -86,7 +86,11 @@ class Coordinator:
         self.fast.forsake()
 
     def close(self, cancel_pending: bool) -> None:
+        """Stop taking work; every lend goes back to the owner thread, which reads what is in
+        flight (was: a lent call's answer waited for its lender, and a close() made by that very
+        thread, from a signal handler that interrupted its call, waited for the stall watchdog)."""
         self.ledger.close(cancel_pending)
+        self.fast.end_all()
 
     def cancel(self, task: Task, kill: bool) -> bool:
         """Queued: it never runs. Sent ahead to a slot, alone in its batch, and not started: taken

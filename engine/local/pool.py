@@ -16,7 +16,7 @@ from typing import Any
 
 from slabpool.engine.caller.base import BaseEngine
 from slabpool.engine.caller.combine import Combiner
-from slabpool.engine.caller.handles import TaskFuture
+from slabpool.engine.caller.handles import TaskFuture, refuse_wait_here
 from slabpool.engine.caller.request import Admitted, Request
 from slabpool.engine.core import interrupts
 from slabpool.engine.core.admission import TaskQueue, superseded_error
@@ -211,6 +211,7 @@ class Engine(BaseEngine):
             raise
 
     def _call(self, inputs: Any, kw: dict[str, Any]) -> Any:
+        refuse_wait_here(self, "infer()")
         if not kw:  # alone while the engine has room, else in a group (engine.caller.combine)
             return self._combiner.call(self, inputs, self._alone, self._run_group)
         return self._lent_call(functools.partial(self.submit, inputs, **kw))
