@@ -154,8 +154,8 @@ def test_block_sizer_follows_the_run_time_and_the_arena() -> None:
 def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
     """A model whose weights stream from memory once a call (a 48-layer 512-wide MLP: 8 rows a
     call at 2 ms ran 3x slower than calls of 300): "auto" doubles the step, one task at a time,
-    while a row gets at least 10% cheaper, and goes back to the last step that paid; a task cut
-    before the step changed is no evidence."""
+    while a row gets at least 10% cheaper, and goes back to the last step that paid once a longer
+    one has not paid twice in a row; a task cut before the step changed is no evidence."""
     class R:
         def __init__(self, per_row: float, rows: int) -> None:
             self.timings = type("T", (), {"run": per_row * rows})()
@@ -171,7 +171,9 @@ def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
     assert s.step == 160
     s.observe(R(12e-6, 160), 160, 160)  # a row 52% cheaper: kept, try 320
     assert s.step == 320
-    s.observe(R(11.5e-6, 320), 320, 320)  # 4% cheaper only: back to 160, for good
+    s.observe(R(11.5e-6, 320), 320, 320)  # 4% cheaper only: one more task at 320 decides
+    assert s.step == 320
+    s.observe(R(11.8e-6, 320), 320, 320)  # not again: back to 160, for good
     assert s.step == 160
     s.observe(R(1e-6, 160), 160, 160)
     assert s.step == 160
@@ -179,6 +181,7 @@ def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
     cache_bound.observe(R(1e-6, 32), 32, PROBE_ROWS)
     cache_bound.observe(R(1e-6, 2000), 2000, 2000)
     cache_bound.observe(R(1e-6, 2000), 2000, 2000)
+    cache_bound.observe(R(1.2e-6, 4000), 4000, 4000)
     cache_bound.observe(R(1.2e-6, 4000), 4000, 4000)
     assert cache_bound.step == 2000
     steep = BlockSizer("auto", 4, 1 << 30, 4)  # always cheaper: at most CLIMB_MAX times the chosen step

@@ -128,6 +128,7 @@ class BlockSizer:
         self._rechosen = self.fixed is not None  # "auto": the step may grow once, from a real task
         self._climbing = self.fixed is None  # "auto": then calls twice as long while they pay
         self._base: tuple[int, float] | None = None  # (step, run time a row) the climb compares with
+        self._missed = False  # the step tried did not pay once: one more task at it decides
         self._ceiling = 0
         self.per_row: float | None = None
         self.out_row_bytes = 0
@@ -173,11 +174,15 @@ class BlockSizer:
 
     def _climb(self, step: int, per: float) -> None:
         """The climb: this step's run time a row against the last kept step's. Cheaper by
-        enough: kept, and calls twice as long tried next; else back to the last kept, for good."""
+        enough: kept, and calls twice as long tried next; not, twice in a row: back to the last
+        kept, for good."""
         if self._base is None:
             self._base, self._ceiling = (step, per), step * CLIMB_MAX
         elif per <= CLIMB_GAIN * self._base[1]:
-            self._base = (step, per)
+            self._base, self._missed = (step, per), False
+        elif not self._missed:  # once more at this step: one task's time may be the host's, not the size's
+            self._missed = True
+            return
         else:
             self.step, self._climbing = self._base[0], False
             return
