@@ -155,7 +155,8 @@ def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
     """A model whose weights stream from memory once a call (a 48-layer 512-wide MLP: 8 rows a
     call at 2 ms ran 3x slower than calls of 300): "auto" doubles the step, one task at a time,
     while a row gets at least 10% cheaper, and goes back to the last step that paid once a longer
-    one has not paid twice in a row; a task cut before the step changed is no evidence."""
+    one has not paid twice in a row; a task cut before the step changed is no evidence. Only from
+    a small step (CLIMB_FROM rows: a costly row): a model warming up looks like longer calls paying."""
     class R:
         def __init__(self, per_row: float, rows: int) -> None:
             self.timings = type("T", (), {"run": per_row * rows})()
@@ -178,12 +179,17 @@ def test_auto_tries_longer_calls_while_a_row_gets_cheaper() -> None:
     s.observe(R(1e-6, 160), 160, 160)
     assert s.step == 160
     cache_bound = BlockSizer("auto", 4, 1 << 30, 4)  # calls past the caches cost more a row: no climb
-    cache_bound.observe(R(1e-6, 32), 32, PROBE_ROWS)
-    cache_bound.observe(R(1e-6, 2000), 2000, 2000)
-    cache_bound.observe(R(1e-6, 2000), 2000, 2000)
-    cache_bound.observe(R(1.2e-6, 4000), 4000, 4000)
-    cache_bound.observe(R(1.2e-6, 4000), 4000, 4000)
-    assert cache_bound.step == 2000
+    cache_bound.observe(R(100e-6, 32), 32, PROBE_ROWS)  # (100 us a row: calls of 20)
+    for _ in range(2):
+        cache_bound.observe(R(100e-6, 20), 20, 20)
+    cache_bound.observe(R(95e-6, 40), 40, 40)
+    cache_bound.observe(R(98e-6, 40), 40, 40)
+    assert cache_bound.step == 20
+    fast_rows = BlockSizer("auto", 4, 1 << 30, 4)  # a cheap row (1 us: calls of 2000): no climb at all
+    fast_rows.observe(R(1e-6, 32), 32, PROBE_ROWS)
+    for per in (1e-6, 0.5e-6, 0.2e-6):  # (warming up: faster and faster, whatever the size)
+        fast_rows.observe(R(per, 2000), 2000, 2000)
+    assert fast_rows.step == 2000 and not fast_rows._climbing
     steep = BlockSizer("auto", 4, 1 << 30, 4)  # always cheaper: at most CLIMB_MAX times the chosen step
     steep.observe(R(1e-3, 32), 32, PROBE_ROWS)  # 1 ms a row: calls of 2 rows
     steep.observe(R(1e-3, 2), 2, 2)

@@ -54,9 +54,13 @@ MAX_BLOCK_ROWS = 1 << 20
 # "auto" then tries calls twice as long, while that makes a row at least this much cheaper (a
 # model whose weights do not fit the caches streams them once a call: longer calls share that;
 # a 48-layer 512-wide MLP chose 8 rows a call at 2 ms, and ran 3x slower than in calls of 300),
-# up to CLIMB_MAX times the step it chose from the run time
+# up to CLIMB_MAX times the step it chose from the run time. Only from a step of at most
+# CLIMB_FROM rows (a row of 15 us or more): a model's first tasks run faster and faster as it
+# warms up, which a climb from a large step read as longer calls paying (the 2M-row job's MLP,
+# 1,000 rows a call, climbed and ran 20% slower)
 CLIMB_GAIN = 0.9
 CLIMB_MAX = 64
+CLIMB_FROM = 128
 
 # a block failing with one of these is cut in two: the failure may belong to some rows only
 BISECT = (E.SessionRunError, E.PoisonTask, E.WorkerCrashed, E.TaskTimeout, E.ShmCapacityError,
@@ -177,6 +181,9 @@ class BlockSizer:
         enough: kept, and calls twice as long tried next; not, twice in a row: back to the last
         kept, for good."""
         if self._base is None:
+            if step > CLIMB_FROM:
+                self._climbing = False
+                return
             self._base, self._ceiling = (step, per), step * CLIMB_MAX
         elif per <= CLIMB_GAIN * self._base[1]:
             self._base, self._missed = (step, per), False
