@@ -117,6 +117,42 @@ def test_map_async_plain_iterable_return_exceptions(models: Any, backend: str) -
     assert [r.task_id for r in out] == list(range(8))
 
 
+def test_map_async_after_another_threads_close_yields_what_was_accepted_then_raises(models: Any, backend: str) -> None:
+    """As map(): another thread's close() (a drain) while map_async runs: the outcome of every
+    item accepted before it, in order, then EngineClosed (was: EngineClosed at once, and the
+    accepted items' outcomes dropped, their tasks cancelled)."""
+    from slabpool.engine.core.states import EngineState
+    from slabpool.workers.errors import EngineClosed
+
+    xs = [rows(1, seed=i) for i in range(40)]
+
+    async def main() -> tuple[list[Any], Any]:
+        eng = build(backend, models.mlp, workers=2)
+        closer = threading.Thread(target=eng.close)
+
+        async def stream():  # type: ignore[no-untyped-def]
+            for i, x in enumerate(xs):
+                if i == 20:
+                    closer.start()
+                    await until(lambda: eng.state is not EngineState.ACCEPTING, "the close to begin")
+                yield {"x": x}
+
+        got = []
+        try:
+            with pytest.raises(EngineClosed):
+                async for r in eng.map_async(stream(), window=64):
+                    got.append(r)
+        finally:
+            await asyncio.to_thread(closer.join, 60)
+            eng.close()
+        return got, eng.stats()
+
+    got, st = run(main())
+    assert [r.index for r in got] == list(range(20)) and (st.accepted, st.completed, st.cancelled) == (20, 20, 0)
+    for r in got:
+        np.testing.assert_allclose(r.outputs["probs"], probs(xs[r.index]), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_map_async_over_an_iterable_that_raises_gets_every_outcome_first(models: Any, backend: str, kind: str) -> None:
     """As map(): every outcome of the items the iterable gave, in order, then its error (was: its

@@ -167,6 +167,9 @@ async def map_async(
             except DOOR_ERRORS as exc:  # (as map(): at its position, after the outcomes before it)
                 fut = Future()
                 fut.set_exception(exc)
+            except EngineClosed as exc:  # closed meanwhile: the accepted items' outcomes first (a
+                broke = exc  # drain runs them), then this error, as map()
+                break
             held.append((fut, bridge(loop, fut), index))
             if len(held) >= window:
                 yield await _head(held, return_exceptions)

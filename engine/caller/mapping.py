@@ -109,7 +109,11 @@ def parts(
             if not group:
                 break
             pace.weigh(group[0])
-            pending.extend(_submit_items(eng, group, context, contain, start))
+            try:
+                pending.extend(_submit_items(eng, group, context, contain, start))
+            except E.EngineClosed as exc:  # closed meanwhile (another thread's close()): what was
+                broke = exc  # accepted still ends (a drain runs it), so its outcomes come first, then
+                break  # this error (was: raised at once, the outcomes of the accepted items dropped)
             start += len(group)
             in_flight += len(group)
             while pending and in_flight >= limit:
