@@ -234,6 +234,10 @@ ERRORS = {  # case -> (model, JSON body or raw bytes, status, words the message 
     "id not a string": ("ints", {"id": None, "inputs": [XI]}, 400, ["id", "None"]),
     "nested shape": ("ints", {"inputs": [{**XI, "data": [[1, 2], [3, 4]]}]}, 400, ["'x'", "[2, 2]", "[1, 4]"]),
     # a string tensor for a float input, in the protocol's words (was: "expected a numpy.ndarray of <f4, got list")
+    "BYTES nested unevenly": ("mlp", {"inputs": [{"name": "x", "shape": [2], "datatype": "BYTES",
+                                                  "data": ["a", ["b"]]}]}, 400, ["'x'", "nested unevenly"]),
+    "numbers as BYTES": ("mlp", {"inputs": [{"name": "x", "shape": [2], "datatype": "BYTES", "data": [1, 2]}]},
+                         400, ["'x'", "BYTES data must be strings", "element 0 is 1"]),
     "BYTES as FP32": ("mlp", {"inputs": [{**X, "datatype": "BYTES", "data": ["a"] * 16}]}, 400,
                       ["'x'", "takes FP32, got BYTES"]),
     # one input's elements in two places (was: the binary ones read, "data" dropped)

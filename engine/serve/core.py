@@ -80,6 +80,7 @@ class Frontend:
         self.log_access = log_access
         self.draining = False
         self.drained_by = "SIGTERM"  # what began the drain (the signal's name), for the 503's words
+        self.hurried_by = ""  # the second signal that cut the drain short, if one did
         self.inflight = 0
         self._idle: asyncio.Event | None = None
         self._names = frozenset(repo)  # the models are fixed at start (a reload keeps the name)

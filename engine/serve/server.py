@@ -6,9 +6,9 @@
       SIGTERM/SIGINT: drain   SIGHUP: reload every model from its file
 
     drain: ready answers 503 / false and new inferences 503 / UNAVAILABLE at once; what was
-    accepted finishes (up to --drain-timeout: then what is left is cancelled, and answered
-    503 / UNAVAILABLE); then both servers stop, the engines close, and the process exits 0
-    (1 if the drain timeout cut requests short).
+    accepted finishes (up to --drain-timeout, or a second SIGTERM/SIGINT: then what is left is
+    cancelled, and answered 503 / UNAVAILABLE); then both servers stop, the engines close, and
+    the process exits 0 (1 if the drain was cut short).
 """
 
 from __future__ import annotations
@@ -92,8 +92,14 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         await asyncio.sleep(0.01)
     _freeze_startup_heap()
     stop = asyncio.Event()
+    hurry = asyncio.Event()  # a second SIGTERM/SIGINT during the drain: what is left is cancelled now
 
     def stop_on(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("slabpool serve: %s again: the drain stops, what is left is cancelled", sig.name)
+            fe.hurried_by = sig.name
+            hurry.set()
+            return
         fe.drained_by = sig.name
         stop.set()
 
@@ -107,7 +113,12 @@ async def serve(fe: Frontend, listen: Listen, announce: Callable[[str], None]) -
         await asyncio.wait((asyncio.ensure_future(stop.wait()), http_task), return_when=asyncio.FIRST_COMPLETED)
         fe.draining = True
         log.warning("slabpool serve: draining %d requests (up to %s s)", fe.inflight, listen.drain_timeout)
-        drained = await fe.wait_idle(listen.drain_timeout)
+        idle = asyncio.ensure_future(fe.wait_idle(listen.drain_timeout))
+        hurried = asyncio.ensure_future(hurry.wait())
+        await asyncio.wait((idle, hurried), return_when=asyncio.FIRST_COMPLETED)
+        hurried.cancel()
+        drained = idle.done() and idle.result()
+        idle.cancel()
         # the engines close here, inside the loop: a reload still running (a worker that never
         # starts) ends with EngineClosed, its request answered. Closed after the loop (was), its
         # thread held the loop's executor, whose shutdown waited for it: the process never exited.
@@ -156,6 +167,7 @@ def run(fe: Frontend, listen: Listen) -> int:
     finally:
         fe.repo.close(timeout=5.0)
     if not drained:
-        print(f"slabpool serve: the drain timeout ({listen.drain_timeout} s) passed with requests in flight; "
-              "they were cancelled", file=sys.stderr)
+        why = (f"a second {fe.hurried_by} ended the drain" if fe.hurried_by else
+               f"the drain timeout ({listen.drain_timeout} s) passed")
+        print(f"slabpool serve: {why} with requests in flight; they were cancelled", file=sys.stderr)
     return 0 if drained else 1

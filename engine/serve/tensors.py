@@ -102,11 +102,7 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> An
     (`true`/`false` for BOOL, integers for the integer types, numbers for the float types), in
     its range (an integer past it, or a number past FP16/FP32's largest, is refused)."""
     if datatype == BYTES:
-        items = [v.encode() if isinstance(v, str) else v for v in _flat(name, data)]
-        if not all(isinstance(v, bytes) for v in items) or len(items) != math.prod(shape):
-            raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {math.prod(shape)} strings, "
-                             f"got {len(items)} items")
-        return items
+        return _strings(name, shape, data)
     dt = _dtype(name, datatype)
     flat, kinds = _flat_types(name, data)
     if not kinds <= _ELEMENT_TYPES[dt.kind]:
@@ -194,6 +190,43 @@ def _flat(name: str, data: Any) -> list[Any]:
         else:
             stack.pop()
     return out
+
+
+def _strings(name: str, shape: tuple[int, ...], data: Any) -> list[bytes]:
+    """BYTES JSON data: strings, flat or nested exactly as the shape (was: nested unevenly, as
+    ["a", ["b"]] for [2], accepted; a number's error said "takes 2 strings, got 2 items")."""
+    flat = _flat(name, data)
+    items = [v.encode() if isinstance(v, str) else v for v in flat]
+    bad = next((i for i, v in enumerate(items) if not isinstance(v, bytes)), None)
+    if bad is not None:
+        raise BadRequest(f"input {name!r}: BYTES data must be strings; element {bad} is {flat[bad]!r} "
+                         f"({type(flat[bad]).__name__}); nothing is cast silently")
+    if len(items) != math.prod(shape):
+        raise BadRequest(f"input {name!r}: BYTES of shape {list(shape)} takes {math.prod(shape)} strings, "
+                         f"got {len(items)}")
+    if isinstance(data, list | tuple) and any(isinstance(v, list | tuple) for v in data):
+        nested = _nested_shape(data)
+        if nested != shape:
+            got = "unevenly" if nested is None else f"as shape {list(nested)}"
+            raise BadRequest(f"input {name!r}: BYTES data nested {got} for shape {list(shape)}; send it flat "
+                             "(row-major) or nested as the shape")
+    return items
+
+
+def _nested_shape(data: Any) -> tuple[int, ...] | None:
+    """The shape of lists nested regularly (every list of a level as long, lists all the way down
+    to the same depth); None if they are not."""
+    shape: list[int] = []
+    level = [data]
+    while all(isinstance(v, list | tuple) for v in level):
+        sizes = {len(v) for v in level}
+        if len(sizes) != 1:
+            return None
+        shape.append(sizes.pop())
+        level = [w for v in level for w in v]
+        if not level:
+            return tuple(shape)
+    return None if any(isinstance(v, list | tuple) for v in level) else tuple(shape)
 
 
 def _split_bytes(name: str, shape: tuple[int, ...], buf: bytes | memoryview) -> list[bytes]:
