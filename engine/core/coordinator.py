@@ -188,11 +188,7 @@ class Coordinator:
                 error.add_note(f"(its start had failed {slot.startup_failures} time(s) before, each retried)")
             raise error
         slot.fire(SlotEvent.DIE)
-        slot.startup_failures += 1
-        slot.restarts += 1
-        delay = min(0.1 * 2 ** (slot.startup_failures - 1), 5.0)
-        log.warning("slot %d failed to start (%s); retrying in %.1f s", slot.index, error, delay)
-        slot.respawn_at = time.monotonic() + delay
+        self._on_startup_death(slot, error)  # (under MAX_STARTUP_FAILURES: its back-off; _wait_quorum respawns)
 
     def spawn(self, slot: SlotRecord, retry: bool = True) -> None:
         """A new incarnation of the slot, on its spec (the crash path's b; a reload's swap).
